@@ -1,0 +1,62 @@
+"""Rank-side identity: what ``mnb.rank()`` and friends answer.
+
+Filled once by the worker at start (or lazily from the torch.distributed
+environment in a launched script). Importing this module is cheap and never
+imports torch.
+
+Non-goals: sockets, execution (worker.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .errors import MonarchError
+
+_state: dict[str, Any] = {}
+
+
+def _set(**values: Any) -> None:
+    _state.update(values)
+
+
+def _get(name: str) -> Any:
+    if name not in _state:
+        if name in ("rank", "world_size", "local_rank") and "RANK" in os.environ:
+            env = {"rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK"}[name]
+            return int(os.environ.get(env, os.environ["RANK"]))
+        raise MonarchError(
+            f"mnb.{name}() only works inside a rank: run it in a %%monarch cell "
+            "or a function passed to mesh.run()"
+        )
+    return _state[name]
+
+
+def rank() -> int:
+    """This process's rank in the mesh (0-based)."""
+    return int(_get("rank"))
+
+
+def world_size() -> int:
+    """Number of ranks in the mesh."""
+    return int(_get("world_size"))
+
+
+def local_rank() -> int:
+    """Rank among the processes on this host (the device index before pinning)."""
+    return int(_get("local_rank"))
+
+
+def incarnation() -> int:
+    """0 for the first process of a rank, +1 for each respawn."""
+    return int(_state.get("incarnation", os.environ.get("MONARCH_NB_INCARNATION", 0)))
+
+
+def device() -> Any:
+    """The torch.device this rank computes on: ``cuda:0`` (its one pinned
+    GPU, CUDA or ROCm) or ``cpu``."""
+    import torch
+
+    backend = _state.get("backend", os.environ.get("MONARCH_NB_BACKEND", "cpu"))
+    return torch.device("cuda", 0) if backend in ("cuda", "rocm") else torch.device("cpu")

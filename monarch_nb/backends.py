@@ -1,0 +1,139 @@
+"""Backends: choose cuda / rocm / cpu, count devices, pin a rank's device,
+and join the torch.distributed group.
+
+Controller side (:func:`resolve`) reads torch's build flavour from
+``torch/version.py`` without importing torch when the build is CPU-only, so
+starting a CPU mesh does not cost the kernel a two-second ``import torch``.
+For GPU builds it asks ``torch.cuda.device_count()``, which reads NVML/the HIP
+runtime without creating a CUDA context in the kernel.
+
+Rank side: :func:`pin_env` is applied to the rank's environment *before* the
+rank interpreter starts, so torch only ever sees its one device (it appears as
+``cuda:0``). :func:`init_group` joins nccl (RCCL on ROCm, same name) or gloo.
+
+Non-goals: health probes (dashboard issue), process spawning (supervisor).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .config import default_cpu_ranks
+from .errors import UsageError
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What a mesh runs on. ``devices`` are the physical ids (as the parent
+    environment names them) that ranks are pinned to, one per rank."""
+
+    name: str  # cuda | rocm | cpu
+    dist_backend: str  # nccl | gloo
+    torch_version: str
+    devices: tuple[str, ...] = ()
+
+    def default_ranks(self) -> int:
+        return len(self.devices) if self.devices else default_cpu_ranks()
+
+
+def torch_build() -> dict[str, Any]:
+    """``{"version", "cuda", "hip"}`` of the installed torch, read from its
+    version.py without importing torch. Raises UsageError if torch is missing."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError("torch is not installed in this environment: pip install torch")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
+    ns: dict[str, Any] = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            exec(compile(f.read(), path, "exec"), ns)  # torch's own tiny constants file
+    except OSError:
+        import torch
+
+        return {"version": torch.__version__, "cuda": torch.version.cuda, "hip": torch.version.hip}
+    return {"version": ns.get("__version__", "?"), "cuda": ns.get("cuda"), "hip": ns.get("hip")}
+
+
+def _visible(var_names: tuple[str, ...], count: int) -> tuple[str, ...]:
+    for var in var_names:
+        value = os.environ.get(var)
+        if value is not None:
+            ids = tuple(v.strip() for v in value.split(",") if v.strip())
+            return ids[:count] if count else ids
+    return tuple(str(i) for i in range(count))
+
+
+def _gpu_count() -> int:
+    import torch
+
+    try:
+        return int(torch.cuda.device_count())
+    except Exception:
+        return 0
+
+
+def resolve(requested: str = "auto") -> BackendInfo:
+    """Pick the backend for ``requested`` (auto|cuda|rocm|cpu)."""
+    build = torch_build()
+    flavour = "rocm" if build["hip"] else ("cuda" if build["cuda"] else "cpu")
+    if requested == "cpu" or (requested == "auto" and flavour == "cpu"):
+        return BackendInfo("cpu", "gloo", build["version"])
+    if requested in ("cuda", "rocm") and flavour != requested:
+        have = "a CPU-only" if flavour == "cpu" else f"a {flavour.upper()}"
+        raise UsageError(
+            f"--backend {requested} needs a {requested.upper()} build of torch, but this is "
+            f"{have} build (torch {build['version']}); use --backend auto or install a "
+            f"{requested.upper()} torch"
+        )
+    count = _gpu_count()
+    if count == 0:
+        if requested == "auto":
+            return BackendInfo("cpu", "gloo", build["version"])
+        raise UsageError(f"--backend {requested}: torch sees no GPU here; use --backend cpu")
+    names = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES") if flavour == "rocm" else ("CUDA_VISIBLE_DEVICES",)
+    return BackendInfo(flavour, "nccl", build["version"], _visible(names, count))
+
+
+def pin_env(info: BackendInfo, local_rank: int, env: dict[str, str]) -> None:
+    """Restrict a rank's environment to its one device, before it starts."""
+    if info.name == "cpu":
+        # A CPU mesh must not grab GPUs that happen to be present either.
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        return
+    if local_rank >= len(info.devices):
+        raise UsageError(
+            f"rank {local_rank} has no GPU: {len(info.devices)} visible; "
+            f"start with -n {len(info.devices)} or fewer, or --backend cpu"
+        )
+    device = info.devices[local_rank]
+    if info.name == "rocm":
+        # HIP also honours CUDA_VISIBLE_DEVICES and ROCR filters before HIP:
+        # setting several would filter twice. One variable, the HIP one.
+        for var in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
+            env.pop(var, None)
+        env["HIP_VISIBLE_DEVICES"] = device
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = device
+
+
+def init_group(backend: str, rank: int, world_size: int, timeout_s: float | None = None) -> str:
+    """Join the torch.distributed group (env:// rendezvous); returns a short
+    description of the device, e.g. ``cuda:0 (NVIDIA H200)`` or ``cpu``."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {"rank": rank, "world_size": world_size}
+    if timeout_s:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    if backend in ("cuda", "rocm"):
+        torch.cuda.set_device(0)
+        dev = torch.device("cuda", 0)
+        dist.init_process_group("nccl", device_id=dev, **kwargs)
+        return f"cuda:0 ({torch.cuda.get_device_name(0)})"
+    dist.init_process_group("gloo", **kwargs)
+    return "cpu"

@@ -1,0 +1,126 @@
+"""Rank-side output capture: ``sys.stdout``/``sys.stderr`` replacements that
+keep a copy in the rank's log and queue the text for the controller.
+
+The main thread writes (user code prints); the control thread takes queued
+text and sends it as OUTPUT chunks while the call runs; at the end of a call
+the main thread takes the rest and ships it inside the RESULT, together with
+how many chunks went out before, so the controller can print everything in
+order before it resolves the call.
+
+Non-goals: sockets (worker.py owns them), formatting (the controller labels
+and folds lines).
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from typing import TextIO
+
+# Per call and stream, text beyond this is not forwarded to the notebook (the
+# rank's log file still has all of it): a runaway print loop must not flood
+# the browser or the kernel's memory.
+FORWARD_LIMIT = 8 * 1024 * 1024
+
+
+class OutputBuffer:
+    """Text waiting to be forwarded, attributed to the running call."""
+
+    def __init__(self, limit: int = FORWARD_LIMIT) -> None:
+        self._lock = threading.Lock()
+        self._items: list[list[str]] = []  # [stream, text]
+        self._pending = 0
+        self.call = 0
+        self.chunks = 0  # OUTPUT chunks taken for the current call
+        self._forwarded = 0
+        self._dropped = 0
+        self.limit = limit
+
+    def begin(self, call: int) -> list[list[str]]:
+        """Start attributing output to ``call``; returns what was left over
+        from outside any call (background threads)."""
+        with self._lock:
+            left = self._items
+            self._items, self._pending = [], 0
+            self.call, self.chunks, self._forwarded, self._dropped = call, 0, 0, 0
+            return left
+
+    def write(self, stream: str, text: str) -> None:
+        with self._lock:
+            if self._forwarded >= self.limit:
+                self._dropped += len(text)
+                return
+            self._forwarded += len(text)
+            items = self._items
+            if items and items[-1][0] == stream:
+                items[-1][1] += text
+            else:
+                items.append([stream, text])
+            self._pending += len(text)
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def take_chunk(self) -> tuple[int, int, list[list[str]]] | None:
+        """(call, chunk number, items) for the control thread, or None."""
+        with self._lock:
+            if not self._items:
+                return None
+            items, self._items, self._pending = self._items, [], 0
+            n = self.chunks
+            self.chunks += 1
+            return self.call, n, items
+
+    def finish(self) -> tuple[int, list[list[str]]]:
+        """End the call: (chunks already taken, remaining items)."""
+        with self._lock:
+            items, self._items, self._pending = self._items, [], 0
+            if self._dropped:
+                items.append(
+                    ["stderr", f"\n[monarch_nb: {self._dropped} more characters of output not "
+                               "shown; see %monarch logs]\n"]
+                )
+            n = self.chunks
+            self.call, self.chunks, self._forwarded, self._dropped = 0, 0, 0, 0
+            return n, items
+
+
+class RankStream(io.TextIOBase):
+    """A text stream that tees into the log (the process's real fd) and into
+    an :class:`OutputBuffer`."""
+
+    def __init__(self, name: str, buffer: OutputBuffer, log: TextIO | None) -> None:
+        self.name = name
+        self._buffer = buffer
+        self._log = log
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        if not text:
+            return 0
+        self._buffer.write(self.name, text)
+        if self._log is not None:
+            try:
+                self._log.write(text)
+            except (OSError, ValueError):
+                pass
+        return len(text)
+
+    def flush(self) -> None:
+        if self._log is not None:
+            try:
+                self._log.flush()
+            except (OSError, ValueError):
+                pass
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"

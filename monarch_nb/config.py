@@ -1,0 +1,170 @@
+"""Configuration: frozen dataclasses with documented defaults, and the one
+place where environment variables are read.
+
+Two sides:
+
+* :class:`MeshConfig` — what the controller was asked for (``Mesh.start``
+  arguments, ``%monarch start`` flags).
+* :class:`RankEnv` — what a rank process learns from its environment when it
+  starts. The controller writes these variables; nothing else reads them.
+
+Non-goals: no I/O beyond ``os.environ`` and reading the key file.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .errors import UsageError
+
+Backend = Literal["auto", "cuda", "rocm", "cpu"]
+Respawn = Literal["rank", "all", "off"]
+Launcher = Literal["local", "ssh", "slurm"]
+
+BACKENDS: tuple[str, ...] = ("auto", "cuda", "rocm", "cpu")
+RESPAWN_MODES: tuple[str, ...] = ("rank", "all", "off")
+LAUNCHERS: tuple[str, ...] = ("local", "ssh", "slurm")
+
+# Environment variables written by the controller for each rank.
+ENV_CONTROLLER = "MONARCH_NB_CONTROLLER"  # tcp://host:port of the controller ROUTER
+ENV_KEY = "MONARCH_NB_KEY"  # hex HMAC key (environment, never argv)
+ENV_KEY_FILE = "MONARCH_NB_KEY_FILE"  # or a 0600 file holding the hex key
+ENV_MESH_ID = "MONARCH_NB_MESH_ID"
+ENV_INCARNATION = "MONARCH_NB_INCARNATION"
+ENV_BACKEND = "MONARCH_NB_BACKEND"  # resolved backend: cuda | rocm | cpu
+ENV_PARENT_PID = "MONARCH_NB_PARENT_PID"  # exit if this process disappears
+ENV_CONTROLLER_TIMEOUT = "MONARCH_NB_CONTROLLER_TIMEOUT"  # s without a ping -> exit
+ENV_GENERATION = "MONARCH_NB_GENERATION"
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """What a mesh is started with.
+
+    n: number of ranks; ``None`` means one per visible GPU, else min(4, cores).
+    backend: ``auto`` picks cuda (CUDA torch + GPU), rocm (ROCm torch + GPU),
+        else cpu (gloo).
+    respawn: ``rank`` replaces only a dead rank, ``all`` every rank, ``off``
+        reports deaths and keeps the survivors.
+    bind: controller address; loopback by default. Anything else would need
+        CurveZMQ, which the local launcher does not offer yet.
+    heartbeat_interval: seconds between controller pings and rank heartbeats.
+    controller_timeout: a rank that hears nothing from its controller for this
+        long exits (the second line of defence after the parent-death signal).
+    start_timeout: seconds for every rank to report ready.
+    max_message_bytes: larger inbound messages are dropped unread.
+    """
+
+    n: int | None = None
+    backend: Backend = "auto"
+    respawn: Respawn = "rank"
+    launcher: Launcher = "local"
+    hosts: tuple[str, ...] = ()
+    bind: str = "127.0.0.1"
+    heartbeat_interval: float = 0.5
+    controller_timeout: float = 10.0
+    start_timeout: float = 120.0
+    max_message_bytes: int = 4 << 30
+    extra_env: tuple[tuple[str, str], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.n is not None and (not isinstance(self.n, int) or self.n < 1):
+            raise UsageError(f"n must be a positive number of ranks, not {self.n!r}")
+        if self.backend not in BACKENDS:
+            raise UsageError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.respawn not in RESPAWN_MODES:
+            raise UsageError(f"respawn {self.respawn!r} is not one of {', '.join(RESPAWN_MODES)}")
+        if self.launcher not in LAUNCHERS:
+            raise UsageError(f"launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
+        if self.launcher != "local":
+            raise UsageError(
+                f"--launcher {self.launcher} is not available in this version; "
+                "use --launcher local (the default)"
+            )
+        if self.bind not in ("127.0.0.1", "localhost", "::1"):
+            raise UsageError(
+                f"bind address {self.bind!r} is not loopback; non-loopback meshes need "
+                "CurveZMQ encryption, which this version does not provide yet"
+            )
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """Everything a rank reads from its environment, read once at start."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    controller: str
+    key: bytes
+    mesh_id: str
+    incarnation: int
+    backend: str
+    parent_pid: int | None
+    controller_timeout: float
+    generation: int
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> RankEnv:
+        env = os.environ if environ is None else environ
+        missing = [k for k in ("RANK", "WORLD_SIZE", ENV_CONTROLLER) if k not in env]
+        if missing:
+            raise UsageError(
+                f"this process is not a monarch_nb rank (missing {', '.join(missing)}); "
+                "ranks are started by Mesh.start / %monarch start"
+            )
+        parent = env.get(ENV_PARENT_PID)
+        return cls(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "0")),
+            controller=env[ENV_CONTROLLER],
+            key=read_key(env),
+            mesh_id=env.get(ENV_MESH_ID, ""),
+            incarnation=int(env.get(ENV_INCARNATION, "0")),
+            backend=env.get(ENV_BACKEND, "cpu"),
+            parent_pid=int(parent) if parent else None,
+            controller_timeout=float(env.get(ENV_CONTROLLER_TIMEOUT, "10")),
+            generation=int(env.get(ENV_GENERATION, "0")),
+        )
+
+
+def read_key(env: dict[str, str] | os._Environ[str]) -> bytes:
+    """The mesh key from ``MONARCH_NB_KEY`` or the 0600 file named by
+    ``MONARCH_NB_KEY_FILE``. A key file readable by others is refused."""
+    if env.get(ENV_KEY):
+        return bytes.fromhex(env[ENV_KEY])
+    path = env.get(ENV_KEY_FILE)
+    if not path:
+        raise UsageError(f"no mesh key: set {ENV_KEY} or {ENV_KEY_FILE}")
+    mode = os.stat(path).st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise UsageError(f"key file {path} is readable by others; chmod 600 it")
+    with open(path, encoding="ascii") as f:
+        return bytes.fromhex(f.read().strip())
+
+
+def write_key_file(path: str, key: bytes) -> None:
+    """Write ``key`` as hex to ``path`` atomically with mode 0600 from the
+    first byte (never world-readable, not even briefly)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, key.hex().encode("ascii"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def default_cpu_ranks() -> int:
+    return max(1, min(4, os.cpu_count() or 1))

@@ -1,0 +1,489 @@
+"""The controller: rank table, call dispatch, result gathering, futures.
+
+Lives in the notebook kernel (or the launching process). Everything that
+changes rank or call state runs on the I/O thread (message handlers, pidfd
+callbacks, ticks), so that state needs no locks; other threads only read
+snapshots or go through ``io.call_soon``.
+
+Rank states::
+
+    STARTING --READY--> READY <--> BUSY
+        |                 |         |
+        +----- exit ------+---------+--> DEAD
+    (any) --stop--> STOPPED
+
+A call is sent to the ``main`` socket of each target rank (signed once) and
+completes when every target answered or died. A rank's RESULT is held back
+until all OUTPUT chunks it announced have arrived (they travel on the other
+socket), so a cell shows all of a rank's output before its result.
+
+Non-goals: the user-facing API (mesh.py), process handling (supervisor.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import secrets
+import signal as signal_mod
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import serialize
+from .backends import BackendInfo
+from .config import MeshConfig
+from .errors import MembershipChanged, MonarchError, RankDied, RankErrors, RemoteError
+from .futures import MeshFuture
+from .output import CallOutput
+from .protocol import Codec, Kind, Message, new_key
+from .supervisor import Supervisor
+from .transport import IOLoop
+
+log = logging.getLogger(__name__)
+
+
+class RankState(str, enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    BUSY = "busy"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    incarnation: int = 0
+    state: RankState = RankState.STARTING
+    pid: int | None = None
+    device: str = ""
+    host: str = ""
+    last_heartbeat: float = 0.0
+    exitcode: int | None = None
+    start_error: str = ""
+    started_at: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None
+
+    @property
+    def main_id(self) -> bytes:
+        return f"r{self.rank}.{self.incarnation}.main".encode()
+
+    @property
+    def ctl_id(self) -> bytes:
+        return f"r{self.rank}.{self.incarnation}.ctl".encode()
+
+
+@dataclass
+class Event:
+    """One entry of ``mesh.events``: something that happened to a rank."""
+
+    time: float
+    rank: int
+    incarnation: int
+    kind: str  # started | ready | died | stopped | failed_start
+    detail: str = ""
+
+
+@dataclass
+class PendingCall:
+    call_id: int
+    ranks: tuple[int, ...]
+    output: CallOutput
+    future: MeshFuture
+    remaining: set[int]
+    results: dict[int, Any] = field(default_factory=dict)
+    errors: dict[int, BaseException] = field(default_factory=dict)
+    chunks_seen: dict[int, int] = field(default_factory=dict)
+    held: dict[int, Message] = field(default_factory=dict)  # RESULT waiting for chunks
+    where: dict[int, str] = field(default_factory=dict)  # answers to INTERRUPT
+    interrupted: threading.Event = field(default_factory=threading.Event)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def signal_name(code: int | None) -> str | None:
+    if code is None or code >= 0:
+        return None
+    try:
+        return signal_mod.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+class Controller:
+    """Runs the I/O thread, the supervisor and the bookkeeping of one mesh."""
+
+    def __init__(self, cfg: MeshConfig, backend: BackendInfo, world_size: int) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.world_size = world_size
+        self.key = new_key()
+        self.mesh_id = secrets.token_hex(4)
+        self.codec = Codec(self.key, "controller", max_bytes=cfg.max_message_bytes)
+        self.io = IOLoop(self.codec, self._on_message, bind=cfg.bind, on_tick=self._on_tick,
+                         max_message_bytes=cfg.max_message_bytes)
+        self.supervisor = Supervisor(
+            world_size=world_size, backend=backend, controller_endpoint=self.io.endpoint,
+            key=self.key, mesh_id=self.mesh_id, master_port=_free_port(),
+            controller_timeout=cfg.controller_timeout, extra_env=dict(cfg.extra_env),
+        )
+        self.ranks = [RankInfo(r) for r in range(world_size)]
+        self.events: list[Event] = []
+        self.calls: dict[int, PendingCall] = {}
+        self._call_ids = itertools.count(1)
+        self._by_ident: dict[bytes, RankInfo] = {}
+        self._state_changed = threading.Condition()
+        self.default_output: CallOutput | None = None  # for output outside calls
+        self.stopped = False
+        self.announce: Callable[[str], None] | None = None
+
+    # -- life cycle -------------------------------------------------------------
+    def start(self, progress: Callable[[list[RankInfo]], None] | None = None) -> None:
+        """Spawn every rank (in parallel) and wait until all are READY."""
+        self.io.start()
+        spawned = threading.Event()
+
+        def spawn_all() -> None:
+            try:
+                for info in self.ranks:
+                    self._spawn(info)
+            finally:
+                spawned.set()
+
+        self.io.call_soon(spawn_all)
+        spawned.wait(30)
+        deadline = time.monotonic() + self.cfg.start_timeout
+        last_ready = -1
+        with self._state_changed:
+            while True:
+                ready = sum(1 for r in self.ranks if r.state == RankState.READY)
+                failed = [r for r in self.ranks if r.state == RankState.DEAD]
+                if ready != last_ready and progress is not None:
+                    progress(list(self.ranks))
+                    last_ready = ready
+                if failed:
+                    raise self._start_failure(failed)
+                if ready == self.world_size:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    slow = [r.rank for r in self.ranks if r.state != RankState.READY]
+                    raise MonarchError(
+                        f"ranks {slow} were not ready within {self.cfg.start_timeout:g} s; "
+                        "see their logs with %monarch logs RANK"
+                    )
+                self._state_changed.wait(min(left, 0.25))
+
+    def _start_failure(self, failed: list[RankInfo]) -> MonarchError:
+        info = failed[0]
+        lines = self.supervisor.tail(info.rank, 15)
+        why = info.start_error or f"exited with code {info.exitcode}"
+        tail = "\n".join("    " + line for line in lines)
+        return MonarchError(f"rank {info.rank} failed to start: {why}\n{tail}")
+
+    def _spawn(self, info: RankInfo) -> None:
+        proc = self.supervisor.spawn(info.rank, info.incarnation)
+        info.pid = proc.pid
+        info.state = RankState.STARTING
+        info.started_at = time.monotonic()
+        info.last_heartbeat = info.started_at
+        self._by_ident[info.main_id] = info
+        self._by_ident[info.ctl_id] = info
+        self._event(info, "started", f"pid {proc.pid}")
+        if proc.pidfd is not None:
+            self.io.watch_fd(proc.pidfd, lambda: self._on_exit(info.rank))
+
+    def stop(self, grace: float = 3.0) -> None:
+        """Ask every rank to leave, kill what does not, stop the I/O thread."""
+        if self.stopped:
+            return
+        self.stopped = True
+        if self.io.thread.is_alive():
+            done = threading.Event()
+
+            def send_stop() -> None:
+                frames = self.codec.sign(Kind.STOP)
+                for info in self.ranks:
+                    if info.state != RankState.DEAD:
+                        self.io.send(info.ctl_id, frames)
+                        self.io.send(info.main_id, frames)
+                done.set()
+
+            self.io.call_soon(send_stop)
+            done.wait(2)
+        self.supervisor.terminate_all(grace)
+        self.io.call_soon(self._fail_all_calls)
+        self.io.stop()
+        for info in self.ranks:
+            if info.state != RankState.DEAD:
+                info.state = RankState.STOPPED
+        self.supervisor.cleanup_logs()
+
+    def _fail_all_calls(self) -> None:
+        for call in list(self.calls.values()):
+            for rank in list(call.remaining):
+                call.errors[rank] = MonarchError(f"rank {rank}: the mesh was stopped during the call")
+                call.remaining.discard(rank)
+            self._maybe_finish(call)
+
+    # -- calls ----------------------------------------------------------------------
+    def submit(self, kind: Kind, ranks: tuple[int, ...], payload: list[Any],
+               meta: dict[str, Any] | None, output: CallOutput) -> MeshFuture:
+        """Start a call on ``ranks`` without waiting. Thread-safe."""
+        future, go = self._prepare(kind, ranks, payload, meta, output)
+        self.io.call_soon(go)
+        return future
+
+    def call(self, kind: Kind, ranks: tuple[int, ...], payload: list[Any],
+             meta: dict[str, Any] | None, output: CallOutput,
+             timeout: float | None = None) -> MeshFuture:
+        """Start a call and wait up to ``timeout`` for it, leading the I/O
+        loop meanwhile (see IOLoop.leadership). Returns the future, done
+        unless the timeout expired."""
+        future, go = self._prepare(kind, ranks, payload, meta, output)
+        with self.io.leadership():
+            go()
+            self._lead_until(future, timeout)
+        return future
+
+    def wait(self, future: MeshFuture, timeout: float | None = None) -> bool:
+        """Wait for ``future`` (leading the loop); True if it is done."""
+        with self.io.leadership():
+            self._lead_until(future, timeout)
+        return future.done()
+
+    def _lead_until(self, future: MeshFuture, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not future.done() and not self.io.stopping:
+            left = 0.1 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.io.run_once(min(left, 0.1))
+
+    def _prepare(self, kind: Kind, ranks: tuple[int, ...], payload: list[Any],
+                 meta: dict[str, Any] | None, output: CallOutput) -> tuple[MeshFuture, Callable[[], None]]:
+        dead = [r for r in ranks if self.ranks[r].state in (RankState.DEAD, RankState.STOPPED)]
+        if dead:
+            info = self.ranks[dead[0]]
+            raise MonarchError(
+                f"rank {info.rank} is dead ({self.describe_exit(info.exitcode)}); "
+                f"select the live ranks with --ranks, or restart the mesh "
+                f"(%monarch stop, then %monarch start)"
+            )
+        call_id = next(self._call_ids)
+        future = MeshFuture(call_id, ranks, self.interrupt)
+        call = PendingCall(call_id, ranks, output, future, set(ranks))
+        # Signed once, whatever the number of ranks: the same frames go to each.
+        frames = self.codec.sign(kind, payload, call=call_id, meta=meta)
+
+        def go() -> None:
+            self.calls[call_id] = call
+            for r in ranks:
+                info = self.ranks[r]
+                if info.state == RankState.DEAD:
+                    call.errors[r] = self._died(info)
+                    call.remaining.discard(r)
+                    continue
+                info.state = RankState.BUSY
+                self.io.send(info.main_id, frames)
+            self._maybe_finish(call)
+
+        return future, go
+
+    def interrupt(self, call_id: int) -> None:
+        """Interrupt the ranks still running ``call_id`` (thread-safe)."""
+
+        def go() -> None:
+            call = self.calls.get(call_id)
+            if call is None:
+                return
+            frames = self.codec.sign(Kind.INTERRUPT, call=call_id)
+            for r in call.remaining:
+                self.io.send(self.ranks[r].ctl_id, frames)
+
+        self.io.call_soon(go)
+
+    # -- I/O thread: messages -----------------------------------------------------------
+    def _on_message(self, ident: bytes, msg: Message) -> None:
+        info = self._by_ident.get(ident)
+        if info is None:
+            return  # an old incarnation's straggler
+        info.last_heartbeat = time.monotonic()
+        kind = msg.kind
+        if kind == Kind.RESULT:
+            self._on_result(info, msg)
+        elif kind == Kind.OUTPUT:
+            self._on_output(info, msg)
+        elif kind == Kind.HEARTBEAT:
+            pass
+        elif kind == Kind.INTERRUPTED:
+            call = self.calls.get(msg.header.call)
+            if call is not None and msg.meta.get("where"):
+                call.where[info.rank] = str(msg.meta["where"])
+                if set(call.where) >= call.remaining:
+                    call.interrupted.set()
+        elif kind == Kind.HELLO:
+            info.host = str(msg.meta.get("host", ""))
+        elif kind == Kind.READY:
+            info.state = RankState.READY
+            info.device = str(msg.meta.get("device", ""))
+            info.ready_at = time.monotonic()
+            self._event(info, "ready", info.device)
+            self._notify()
+        elif kind == Kind.FAILED_START:
+            info.start_error = str(msg.meta.get("error", ""))
+
+    def _on_output(self, info: RankInfo, msg: Message) -> None:
+        call = self.calls.get(msg.header.call)
+        items = msg.meta.get("o", [])
+        target = call.output if call is not None else self.default_output
+        if target is not None:
+            for stream, text in items:
+                target.feed(info.rank, str(stream), str(text))
+        if call is not None and int(msg.meta.get("n", -1)) >= 0:
+            call.chunks_seen[info.rank] = call.chunks_seen.get(info.rank, 0) + 1
+            held = call.held.get(info.rank)
+            if held is not None and call.chunks_seen[info.rank] >= int(held.meta.get("n_out", 0)):
+                del call.held[info.rank]
+                self._complete_rank(call, info, held)
+
+    def _on_result(self, info: RankInfo, msg: Message) -> None:
+        call = self.calls.get(msg.header.call)
+        if call is None or info.rank not in call.remaining:
+            return
+        if call.chunks_seen.get(info.rank, 0) < int(msg.meta.get("n_out", 0)):
+            call.held[info.rank] = msg  # output chunks still on their way
+            return
+        self._complete_rank(call, info, msg)
+
+    def _complete_rank(self, call: PendingCall, info: RankInfo, msg: Message) -> None:
+        for stream, text in msg.meta.get("o", []):
+            call.output.feed(info.rank, str(stream), str(text))
+        if msg.meta.get("ok"):
+            try:
+                call.results[info.rank] = serialize.loads(msg.payload) if msg.payload else None
+            except serialize.SerializationError as exc:
+                call.errors[info.rank] = RemoteError(
+                    info.rank, "SerializationError",
+                    f"the result arrived but cannot be rebuilt in the kernel: {exc}", "")
+        else:
+            err = msg.meta.get("error") or {}
+            call.errors[info.rank] = RemoteError(
+                info.rank, str(err.get("type", "Exception")), str(err.get("msg", "")),
+                str(err.get("tb", "")))
+        call.remaining.discard(info.rank)
+        if info.state == RankState.BUSY and not any(
+            info.rank in c.remaining for c in self.calls.values()
+        ):
+            info.state = RankState.READY
+        self._maybe_finish(call)
+
+    def _maybe_finish(self, call: PendingCall) -> None:
+        if call.remaining or call.held:
+            return
+        self.calls.pop(call.call_id, None)
+        call.output.flush(force=True)
+        future = call.future
+        if future.done():  # cancelled by the user
+            return
+        if call.errors:
+            self._classify_membership(call)
+            future.set_exception(RankErrors(dict(call.errors), dict(call.results), len(call.ranks)))
+        else:
+            from .mesh import RankResults
+
+            future.set_result(RankResults(call.results))
+
+    def _classify_membership(self, call: PendingCall) -> None:
+        """Survivors cut short in a collective by a death get MembershipChanged
+        instead of a raw gloo/nccl error."""
+        dead = [r for r, e in call.errors.items() if isinstance(e, RankDied)]
+        if not dead:
+            return
+        for rank, err in list(call.errors.items()):
+            if isinstance(err, RemoteError) and _looks_like_peer_loss(err):
+                call.errors[rank] = MembershipChanged(rank, dead, err.message.splitlines()[0][:200])
+
+    # -- I/O thread: deaths and ticks --------------------------------------------------
+    def _on_exit(self, rank: int) -> None:
+        info = self.ranks[rank]
+        code = self.supervisor.reap(rank)
+        if code is None or info.state in (RankState.DEAD, RankState.STOPPED):
+            return
+        info.exitcode = code
+        was_starting = info.state == RankState.STARTING
+        info.state = RankState.DEAD
+        self._event(info, "failed_start" if was_starting else "died", self.describe_exit(code))
+        died = self._died(info)
+        for call in list(self.calls.values()):
+            if rank in call.remaining:
+                call.remaining.discard(rank)
+                call.held.pop(rank, None)
+                call.errors[rank] = died
+                self._maybe_finish(call)
+        if not self.stopped and not was_starting:
+            line = f"monarch_nb: {died.__str__().splitlines()[0]}"
+            for call in self.calls.values():
+                call.output.note(line)
+            if self.announce is not None:
+                self.announce(line)
+        self._notify()
+
+    def _died(self, info: RankInfo) -> RankDied:
+        return RankDied(info.rank, info.exitcode if (info.exitcode or 0) >= 0 else None,
+                        signal_name(info.exitcode), tuple(self.supervisor.tail(info.rank, 8)),
+                        info.incarnation)
+
+    def _on_tick(self, now: float) -> float:
+        if self.stopped:
+            return 0.5
+        for info in self.ranks:  # pidfd-less fallback, and belt and braces
+            proc = self.supervisor.procs.get(info.rank)
+            if proc is not None and proc.pidfd is None and info.state != RankState.DEAD:
+                if proc.popen.poll() is not None:
+                    self._on_exit(info.rank)
+        if now - getattr(self, "_last_ping", 0.0) >= self.cfg.heartbeat_interval:
+            self._last_ping = now
+            frames = self.codec.sign(Kind.PING)
+            for info in self.ranks:
+                if info.state in (RankState.READY, RankState.BUSY, RankState.STARTING):
+                    self.io.send(info.ctl_id, frames)
+        pending = False
+        for call in self.calls.values():
+            call.output.flush(now=now)
+            pending = pending or call.output.pending
+        if self.default_output is not None:
+            self.default_output.flush(now=now)
+            pending = pending or self.default_output.pending
+        return 0.03 if pending else min(0.25, self.cfg.heartbeat_interval)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _event(self, info: RankInfo, kind: str, detail: str = "") -> None:
+        self.events.append(Event(time.time(), info.rank, info.incarnation, kind, detail))
+
+    def _notify(self) -> None:
+        with self._state_changed:
+            self._state_changed.notify_all()
+
+    @staticmethod
+    def describe_exit(code: int | None) -> str:
+        if code is None:
+            return "still running"
+        name = signal_name(code)
+        return f"killed by {name}" if name else f"exited with code {code}"
+
+
+def _looks_like_peer_loss(err: RemoteError) -> bool:
+    text = f"{err.type_name} {err.message}".lower()
+    return any(s in text for s in ("connection closed by peer", "connection reset",
+                                   "broken pipe", "nccl communicator was aborted",
+                                   "socket closed", "remote process exited"))

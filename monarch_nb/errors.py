@@ -1,0 +1,209 @@
+"""The one error tree of monarch_nb.
+
+Every exception a user can see derives from :class:`MonarchError`, and every
+message says what to do next. Remote failures travel as *text* (type name,
+message, formatted traceback), never as pickled exception objects: a rank's
+exception class may not exist in the kernel, and unpickling foreign objects is
+how a controller gets hurt.
+
+Non-goals: no logging, no I/O. ``RankErrors`` knows how to render itself for
+IPython (``_render_traceback_``) and for plain ``str()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+
+
+class MonarchError(Exception):
+    """Base class of every monarch_nb error."""
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython hook: a user mistake is one clear line, not our stack.
+        return [f"{type(self).__name__}: {self}"]
+
+
+class MeshNotRunning(MonarchError):
+    """No mesh is running (never started, stopped, or its controller died)."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(
+            message
+            or "no mesh is running: start one with `%monarch start -n 4` "
+            "(or `Mesh.start(n=4)` from Python)"
+        )
+
+
+class UsageError(MonarchError, ValueError):
+    """The user asked for something that cannot be done as written (bad rank
+    spec, unknown option, ...). The mesh is untouched."""
+
+
+class ProtocolError(MonarchError):
+    """A message failed verification (signature, replay, framing, size).
+
+    Raised inside the protocol layer only; the transport catches it, counts the
+    message as dropped and never lets it reach user code."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        self.reason = reason
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+@dataclass(frozen=True)
+class RemoteError(MonarchError):
+    """One rank's exception, as text.
+
+    ``type_name`` is the qualified name of the remote exception class,
+    ``traceback_text`` the remote ``traceback.format_exception`` output (cell
+    frames include the cell's own source lines)."""
+
+    rank: int
+    type_name: str
+    message: str
+    traceback_text: str = ""
+
+    def __post_init__(self) -> None:
+        Exception.__init__(self, self.rank, self.type_name, self.message)
+
+    @property
+    def signature(self) -> tuple[str, str, str]:
+        """What makes two failures 'the same' for grouping: type, message and
+        traceback with the rank-specific bits (none today) left in."""
+        return (self.type_name, self.message, self.traceback_text)
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.type_name}: {self.message}"
+
+
+@dataclass(frozen=True)
+class RankDied(MonarchError):
+    """A rank's process ended while a call was waiting on it."""
+
+    rank: int
+    exitcode: int | None = None
+    signal_name: str | None = None
+    last_lines: tuple[str, ...] = ()
+    incarnation: int = 0
+
+    def __post_init__(self) -> None:
+        Exception.__init__(self, self.rank, self.exitcode, self.signal_name)
+
+    @property
+    def cause(self) -> str:
+        if self.signal_name:
+            return f"killed by {self.signal_name}"
+        if self.exitcode is not None:
+            return f"exited with code {self.exitcode}"
+        return "stopped answering"
+
+    def __str__(self) -> str:
+        text = f"rank {self.rank} died ({self.cause})"
+        if self.last_lines:
+            tail = "\n".join("    " + line for line in self.last_lines)
+            text += f"; its last output:\n{tail}"
+        return text
+
+
+class MembershipChanged(MonarchError):
+    """A collective was cut short because a member of the group died."""
+
+    def __init__(self, rank: int, dead: Iterable[int], detail: str = "") -> None:
+        self.rank = rank
+        self.dead = tuple(sorted(dead))
+        msg = (
+            f"rank {rank}: the group changed under a collective "
+            f"(rank {format_ranks(self.dead)} died)"
+        )
+        if detail:
+            msg += f": {detail}"
+        super().__init__(msg)
+
+
+class CallTimeout(MonarchError):
+    """A call did not finish within its timeout; the ranks still running were
+    interrupted. ``where`` maps each of them to where its main thread was."""
+
+    def __init__(self, timeout: float, where: Mapping[int, str]) -> None:
+        self.timeout = timeout
+        self.where = dict(where)
+        lines = [f"call did not finish within {timeout:g} s; interrupted rank(s) "
+                 f"{format_ranks(self.where)} (they stay usable)"]
+        for rank in sorted(self.where):
+            lines.append(f"  rank {rank} was at {self.where[rank]}")
+        super().__init__("\n".join(lines))
+
+
+@dataclass
+class RankErrors(MonarchError):
+    """Raised by ``Mesh.run`` / ``Mesh.exec`` when at least one rank failed.
+
+    ``errors`` maps rank -> the failure (``RemoteError``, ``RankDied``,
+    ``MembershipChanged`` ...); ``results`` holds the values of the ranks that
+    succeeded, so nothing computed is lost."""
+
+    errors: dict[int, BaseException]
+    results: dict[int, object] = field(default_factory=dict)
+    total: int = 0
+
+    def __post_init__(self) -> None:
+        Exception.__init__(self, self._headline())
+
+    def _headline(self) -> str:
+        total = self.total or (len(self.errors) + len(self.results))
+        return f"{len(self.errors)} of {total} rank(s) failed"
+
+    def groups(self) -> list[tuple[tuple[int, ...], BaseException]]:
+        """Ranks grouped by identical failure, largest group first."""
+        by_key: dict[object, list[int]] = {}
+        sample: dict[object, BaseException] = {}
+        for rank in sorted(self.errors):
+            err = self.errors[rank]
+            key = err.signature if isinstance(err, RemoteError) else (type(err), _strip_rank(err))
+            by_key.setdefault(key, []).append(rank)
+            sample.setdefault(key, err)
+        out = [(tuple(ranks), sample[key]) for key, ranks in by_key.items()]
+        out.sort(key=lambda item: (-len(item[0]), item[0]))
+        return out
+
+    def render_lines(self) -> list[str]:
+        lines = [f"RankErrors: {self._headline()}"]
+        for ranks, err in self.groups():
+            who = f"rank {format_ranks(ranks)}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+            if isinstance(err, RemoteError):
+                lines.append(f"--- {who}: {err.type_name}: {err.message}")
+                if err.traceback_text:
+                    lines.extend(err.traceback_text.rstrip("\n").splitlines())
+            else:
+                text = str(err)
+                if isinstance(err, (RankDied, MembershipChanged)) and len(ranks) > 1:
+                    text = f"{type(err).__name__} ({len(ranks)} ranks alike): {text}"
+                else:
+                    text = f"{type(err).__name__}: {text}"
+                lines.append(f"--- {who}: {text}")
+        return lines
+
+    def _render_traceback_(self) -> list[str]:  # IPython hook
+        return self.render_lines()
+
+    def __str__(self) -> str:
+        return "\n".join(self.render_lines())
+
+    def __reduce__(self):  # keep picklable (used by pytest-xdist, multiprocessing)
+        return (RankErrors, (self.errors, self.results, self.total))
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    from .selection import format_ranks as fmt  # selection imports this module
+
+    return fmt(ranks)
+
+
+def _strip_rank(err: BaseException) -> str:
+    text = str(err)
+    rank = getattr(err, "rank", None)
+    if rank is not None:
+        text = text.replace(f"rank {rank}", "rank ?")
+    return text

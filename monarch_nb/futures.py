@@ -1,0 +1,46 @@
+"""The one future type: :class:`MeshFuture`.
+
+A ``concurrent.futures.Future`` (so ``.result(timeout)``, ``.done()``,
+``add_done_callback`` and ``asyncio.wrap_future`` all work) that also supports
+``await`` directly and whose ``cancel()`` interrupts the ranks still running
+the call. Futures are resolved by the controller's I/O thread.
+
+Non-goals: waiting policy for timeouts (mesh.py decides what a timeout means).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable, Generator
+from typing import Any
+
+
+class MeshFuture(concurrent.futures.Future):
+    """Handle of a call running on some ranks.
+
+    ``result(timeout)`` returns a :class:`~monarch_nb.mesh.RankResults` or
+    raises :class:`~monarch_nb.errors.RankErrors`; it raises
+    ``TimeoutError`` if the call is still running after ``timeout`` seconds
+    (the call keeps running). ``cancel()`` interrupts the ranks; the future
+    then ends cancelled.
+    """
+
+    def __init__(self, call_id: int, ranks: tuple[int, ...], interrupt: Callable[[int], None]) -> None:
+        super().__init__()
+        self.call_id = call_id
+        self.ranks = ranks
+        self._interrupt = interrupt
+
+    def cancel(self) -> bool:
+        if self.done():
+            return False
+        self._interrupt(self.call_id)
+        return super().cancel()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return asyncio.wrap_future(self).__await__()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"<MeshFuture call {self.call_id} on ranks {list(self.ranks)}: {state}>"

@@ -1,0 +1,296 @@
+"""``%monarch`` and ``%%monarch``: parse, call the Python API, display.
+
+A thin front end: every subcommand maps onto a :class:`~monarch_nb.Mesh`
+method, so anything done here can be done from a script. Parsing uses
+IPython's ``magic_arguments`` (one parser per subcommand). Errors from the
+mesh are shown as the error tree renders them (grouped rank tracebacks for
+``RankErrors``, one line for mistakes), and the mesh stays usable.
+
+Non-goals: sockets, waiting policy (mesh.py), formatting rank output (output.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from .errors import MeshNotRunning, MonarchError, UsageError
+from .futures import MeshFuture
+from .mesh import Mesh, RankResults
+from .selection import format_ranks
+
+HELP = """\
+%monarch start [-n N] [--backend auto|cuda|rocm|cpu] [--respawn rank|all|off]
+               [--launcher local|ssh|slurm] [--hosts H1,H2] [--no-dashboard]
+%monarch stop | status | help
+%monarch push NAME [NAME ...] [--ranks SPEC]    send kernel variables to the ranks
+%monarch pull NAME [--ranks SPEC]               fetch a variable from the ranks
+%monarch kill RANK [--signal KILL|TERM|STOP|INT] fault injection
+%monarch logs RANK [--tail N]                   a rank's recent output
+%monarch wait [NAME]                            wait for --no-block cells
+%%monarch [--ranks SPEC] [--setup] [--no-block] [-o NAME] [--timeout SECONDS]
+    run the cell on the ranks; SPEC is 3, 0,2, 1-3, ::2 or all
+"""
+
+
+class _Parsers:
+    """Holders of the magic_arguments parsers, one per subcommand."""
+
+    @magic_arguments()
+    @argument("-n", type=int, default=None, help="number of ranks (default: GPUs, else min(4, cores))")
+    @argument("--backend", default="auto", choices=["auto", "cuda", "rocm", "cpu"])
+    @argument("--respawn", default="rank", choices=["rank", "all", "off"])
+    @argument("--launcher", default="local", choices=["local", "ssh", "slurm"])
+    @argument("--hosts", default="", help="comma-separated hosts (ssh launcher)")
+    @argument("--no-dashboard", action="store_true", help="do not show the live dashboard")
+    def start(self, line: str) -> None: ...
+
+    @magic_arguments()
+    @argument("names", nargs="+", help="kernel variables to send")
+    @argument("--ranks", default="all")
+    def push(self, line: str) -> None: ...
+
+    @magic_arguments()
+    @argument("name", help="variable to fetch from the ranks")
+    @argument("--ranks", default="all")
+    def pull(self, line: str) -> None: ...
+
+    @magic_arguments()
+    @argument("rank", type=int)
+    @argument("--signal", default="KILL", help="KILL, TERM, STOP, CONT or INT")
+    def kill(self, line: str) -> None: ...
+
+    @magic_arguments()
+    @argument("rank", type=int)
+    @argument("--tail", type=int, default=100)
+    def logs(self, line: str) -> None: ...
+
+    @magic_arguments()
+    @argument("name", nargs="?", default=None)
+    def wait(self, line: str) -> None: ...
+
+    @magic_arguments()
+    @argument("--ranks", default="all", help="ranks to run on: 3, 0,2, 1-3, ::2, all")
+    @argument("--setup", action="store_true", help="a setup cell (replayed on respawned ranks)")
+    @argument("--elastic", action="store_true", help="survive membership changes")
+    @argument("--no-block", action="store_true", help="return a handle at once")
+    @argument("-o", dest="output", default=None, help="store per-rank results in this variable")
+    @argument("--timeout", type=float, default=None, help="interrupt the ranks after SECONDS")
+    def cell(self, line: str) -> None: ...
+
+
+_P = _Parsers()
+
+
+class _ArgError(UsageError):
+    pass
+
+
+def _parse(fn: Any, line: str) -> Any:
+    try:
+        return parse_argstring(fn, line)
+    except SystemExit:  # argparse already printed the message
+        raise _ArgError(f"could not parse {line!r}; see %monarch help") from None
+    except Exception as exc:  # magic_arguments' UsageError
+        raise _ArgError(f"{exc}; see %monarch help") from None
+
+
+@magics_class
+class MonarchMagics(Magics):
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self.mesh: Mesh | None = None
+        self.pending: dict[str, MeshFuture] = {}
+        self._anon = 0
+
+    # -- entry point ----------------------------------------------------------
+    @line_cell_magic
+    def monarch(self, line: str, cell: str | None = None) -> Any:
+        if cell is not None:
+            return self._cell(line, cell)
+        words = line.strip().split(None, 1)
+        if not words:
+            print(HELP)
+            return None
+        cmd, rest = words[0], (words[1] if len(words) > 1 else "")
+        handler = getattr(self, f"_cmd_{cmd}", None)
+        if handler is None:
+            raise UsageError(f"unknown %monarch command {cmd!r}; see %monarch help")
+        return handler(rest)
+
+    # -- subcommands ----------------------------------------------------------------
+    def _cmd_help(self, rest: str) -> None:
+        print(HELP)
+
+    def _cmd_start(self, rest: str) -> None:
+        args = _parse(_P.start, rest)
+        if self.mesh is not None and self.mesh.running:
+            raise UsageError(f"a mesh is already running ({self.mesh!r}); %monarch stop it first")
+        from IPython.display import display
+
+        handle = display(_Text("monarch_nb: starting ranks..."), display_id=True)
+        t0 = time.monotonic()
+
+        def progress(infos: list[Any]) -> None:
+            ready = sum(1 for i in infos if i.state.value == "ready")
+            text = f"monarch_nb: starting {len(infos)} ranks... {ready}/{len(infos)} ready"
+            if handle is not None:
+                handle.update(_Text(text))
+
+        self.mesh = Mesh.start(n=args.n, backend=args.backend, respawn=args.respawn,
+                               launcher=args.launcher, hosts=args.hosts, progress=progress)
+        mesh = self.mesh
+        devices = sorted({row["device"] for row in mesh.status()})
+        text = (f"monarch_nb: {mesh.world_size} ranks ready on {mesh.backend} "
+                f"({', '.join(devices)}) in {time.monotonic() - t0:.1f} s")
+        if handle is not None:
+            handle.update(_Text(text))
+        else:
+            print(text)
+
+    def _cmd_stop(self, rest: str) -> None:
+        mesh = self._mesh()
+        n = mesh.world_size
+        mesh.stop()
+        self.mesh = None
+        self.pending.clear()
+        print(f"monarch_nb: stopped {n} ranks")
+
+    def _cmd_status(self, rest: str) -> None:
+        mesh = self._mesh()
+        print(format_status(mesh))
+
+    def _cmd_push(self, rest: str) -> None:
+        args = _parse(_P.push, rest)
+        mesh = self._mesh()
+        ns = self.shell.user_ns
+        missing = [n for n in args.names if n not in ns]
+        if missing:
+            raise UsageError(f"not defined in the kernel: {', '.join(missing)}")
+        mesh.ranks(args.ranks).push(**{n: ns[n] for n in args.names})
+
+    def _cmd_pull(self, rest: str) -> RankResults:
+        args = _parse(_P.pull, rest)
+        return self._mesh().ranks(args.ranks).pull(args.name)
+
+    def _cmd_kill(self, rest: str) -> None:
+        args = _parse(_P.kill, rest)
+        self._mesh().kill(args.rank, signal=args.signal)
+
+    def _cmd_logs(self, rest: str) -> None:
+        args = _parse(_P.logs, rest)
+        lines = self._mesh().logs(args.rank, args.tail)
+        print("\n".join(lines) if lines else f"(rank {args.rank} has written nothing)")
+
+    def _cmd_wait(self, rest: str) -> Any:
+        args = _parse(_P.wait, rest)
+        mesh = self._mesh()
+        if args.name is not None:
+            fut = self.pending.get(args.name)
+            if fut is None:
+                raise UsageError(f"no --no-block cell named {args.name!r} is pending "
+                                 f"(pending: {', '.join(self.pending) or 'none'})")
+            names = [args.name]
+        else:
+            names = list(self.pending)
+        result = None
+        for name in names:
+            fut = self.pending[name]
+            result = mesh.wait(fut)  # raises RankErrors like a blocking cell
+            self.pending.pop(name, None)
+            if not name.startswith("_"):
+                self.shell.user_ns[name] = result
+        return result if args.name is not None else None
+
+    def _cmd_restart(self, rest: str) -> None:
+        raise UsageError("%monarch restart needs supervision, which is not in this version yet; "
+                         "use %monarch stop then %monarch start")
+
+    def _cmd_dashboard(self, rest: str) -> None:
+        mesh = self._mesh()
+        print(format_status(mesh))
+
+    def _cmd_stacks(self, rest: str) -> None:
+        raise UsageError("%monarch stacks is not in this version yet")
+
+    def _cmd_debug(self, rest: str) -> None:
+        raise UsageError("%monarch debug is not in this version yet")
+
+    # -- the cell magic --------------------------------------------------------------
+    def _cell(self, line: str, cell: str) -> Any:
+        args = _parse(_P.cell, line)
+        if args.elastic:
+            raise UsageError("--elastic needs supervision, which is not in this version yet")
+        if args.output is not None and not args.output.isidentifier():
+            raise UsageError(f"-o needs a variable name, not {args.output!r}")
+        mesh = self._mesh()
+        sub = mesh.ranks(args.ranks)
+        name = f"<mnb-cell-{self.shell.execution_count}>"
+        if args.no_block:
+            fut = sub.exec(cell, setup=args.setup, name=name, block=False)
+            key = args.output or f"_mnb{self._anon}"
+            self._anon += 1
+            self.pending[key] = fut
+            if args.output:
+                self.shell.user_ns[args.output] = fut
+            return fut
+        results = sub.exec(cell, setup=args.setup, name=name, timeout=args.timeout)
+        if args.output:
+            self.shell.user_ns[args.output] = results
+        if all(v is None for v in results.values()):
+            return None
+        return results
+
+    def _mesh(self) -> Mesh:
+        if self.mesh is None or not self.mesh.running:
+            raise MeshNotRunning()
+        return self.mesh
+
+
+class _Text:
+    """Plain text for display handles (so updates replace, not append)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def format_status(mesh: Mesh) -> str:
+    rows = mesh.status()
+    head = f"mesh: {mesh.world_size} ranks · {mesh.backend} · " + (
+        "running" if mesh.running else "stopped")
+    lines = [head, f"{'rank':>4}  {'state':<9} {'pid':>7}  {'inc':>3}  {'device':<10} {'heartbeat':>9}  exit"]
+    for r in rows:
+        hb = "-" if r["heartbeat_age"] is None else f"{r['heartbeat_age']:.1f}s ago"
+        lines.append(f"{r['rank']:>4}  {r['state']:<9} {r['pid'] or '-':>7}  {r['incarnation']:>3}  "
+                     f"{r['device'] or '-':<10} {hb:>9}  {r['exit']}")
+    dead = [r["rank"] for r in rows if r["state"] == "dead"]
+    if dead:
+        lines.append(f"dead: rank {format_ranks(dead)}")
+    dropped = mesh.dropped
+    if dropped:
+        lines.append("dropped messages: " + ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))
+    return "\n".join(lines)
+
+
+_loaded: dict[int, MonarchMagics] = {}
+
+
+def load(ipython: Any) -> None:
+    magics = MonarchMagics(ipython)
+    ipython.register_magics(magics)
+    _loaded[id(ipython)] = magics
+
+
+def unload(ipython: Any) -> None:
+    magics = _loaded.pop(id(ipython), None)
+    if magics is not None and magics.mesh is not None:
+        magics.mesh.stop()
+
+
+__all__ = ["MonarchMagics", "load", "unload", "format_status"]

@@ -1,0 +1,381 @@
+"""The public Python API: :class:`Mesh`, sub-meshes and :class:`RankResults`.
+
+Everything the magics do goes through here, so a script can do it too::
+
+    with Mesh.start(n=4) as mesh:
+        mesh.run(fn, x)              # RankResults {rank: value}, or raises RankErrors
+        mesh[1:3].exec("y = x * 2")  # sub-mesh, same methods
+
+Waiting policy lives here: a blocking call waits on its future; Ctrl-C (the
+notebook's interrupt button) interrupts the ranks running it and waits a
+moment for them to come back, so they stay usable; ``timeout=`` interrupts the
+ranks and raises :class:`CallTimeout` naming where each one was.
+
+Non-goals: sockets and rank bookkeeping (controller.py), parsing (magics.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import concurrent.futures
+import itertools
+import signal as signal_mod
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from typing import Any
+
+from . import backends, serialize
+from .config import MeshConfig
+from .controller import Controller, Event, RankInfo, RankState
+from .errors import CallTimeout, MeshNotRunning, MonarchError, RankErrors, UsageError
+from .futures import MeshFuture
+from .output import CallOutput
+from .protocol import Kind
+from .selection import format_ranks, parse_ranks
+
+INTERRUPT_GRACE_S = 5.0  # how long an interrupted call may take to come back
+_cell_counter = itertools.count(1)
+
+
+class RankResults(dict):
+    """``{rank: value}`` of one call, printed compactly: ranks that returned
+    equal values are shown once."""
+
+    def _groups(self) -> list[tuple[list[int], Any]]:
+        groups: list[tuple[list[int], Any]] = []
+        for rank in sorted(self):
+            value = self[rank]
+            for ranks, v in groups:
+                try:
+                    same = type(v) is type(value) and bool(v == value)
+                except Exception:
+                    same = False
+                if same:
+                    ranks.append(rank)
+                    break
+            else:
+                groups.append(([rank], value))
+        return groups
+
+    def __repr__(self) -> str:
+        if not self:
+            return "RankResults({})"
+        groups = self._groups()
+        if len(groups) == len(self):
+            return "RankResults({" + ", ".join(f"{r}: {self[r]!r}" for r in sorted(self)) + "})"
+        parts = [f"ranks {format_ranks(rs)}: {v!r}" if len(rs) > 1 else f"rank {rs[0]}: {v!r}"
+                 for rs, v in groups]
+        return "RankResults(" + "; ".join(parts) + ")"
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(repr(self))
+
+    def values_list(self) -> list[Any]:
+        """Values in rank order."""
+        return [self[r] for r in sorted(self)]
+
+
+class _RankSet:
+    """Methods shared by a mesh and its sub-meshes; ``self._sel`` are the ranks."""
+
+    _mesh: Mesh
+    _sel: tuple[int, ...]
+
+    # -- calls ------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+            **kwargs: Any) -> RankResults:
+        """Run ``fn(*args, **kwargs)`` on every selected rank and wait."""
+        return self._mesh._call(Kind.CALL, self._sel, _call_payload(fn, args, kwargs), None,
+                                timeout)
+
+    def run_async(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MeshFuture:
+        """Start ``fn`` on the selected ranks; returns a :class:`MeshFuture`."""
+        payload = _call_payload(fn, args, kwargs)
+        return self._mesh._live().submit(Kind.CALL, self._sel, payload, None, CallOutput())
+
+    def exec(self, code: str, setup: bool = False, *, timeout: float | None = None,
+             name: str | None = None, block: bool = True) -> Any:
+        """Run cell ``code`` on the selected ranks; RankResults of each rank's
+        last expression. The code is syntax-checked here first, so a typo
+        costs no round trip and shows the line."""
+        meta = _exec_meta(code, setup, name)
+        if not block:
+            return self._mesh._live().submit(Kind.EXEC, self._sel, [], meta, CallOutput())
+        return self._mesh._call(Kind.EXEC, self._sel, [], meta, timeout)
+
+    def exec_async(self, code: str, setup: bool = False, name: str | None = None) -> MeshFuture:
+        """Start cell ``code`` on the selected ranks; returns a :class:`MeshFuture`."""
+        return self.exec(code, setup, name=name, block=False)
+
+    def push(self, **values: Any) -> None:
+        """Set names in every selected rank's namespace."""
+        if not values:
+            raise UsageError("push() needs name=value pairs, e.g. mesh.push(lr=0.1)")
+        bad = [k for k in values if not k.isidentifier()]
+        if bad:
+            raise UsageError(f"cannot push {bad}: not valid Python names")
+        self.run(_push, values)
+
+    def pull(self, name: str) -> RankResults:
+        """The value of ``name`` in every selected rank's namespace."""
+        if not isinstance(name, str) or not name.isidentifier():
+            raise UsageError(f"pull() needs a variable name, got {name!r}")
+        return self.run(_pull, name)
+
+    # -- selection ----------------------------------------------------------
+    def ranks(self, spec: Any) -> SubMesh:
+        """A sub-mesh: ``mesh.ranks("1-3")``, ``mesh.ranks([0, 2])``."""
+        world = self._mesh.world_size
+        chosen = parse_ranks(spec, world)
+        outside = [r for r in chosen if r not in self._sel]
+        if outside:
+            raise UsageError(f"rank {format_ranks(outside)} is not in this sub-mesh "
+                             f"(ranks {format_ranks(self._sel)})")
+        return SubMesh(self._mesh, chosen)
+
+    def __getitem__(self, key: int | slice) -> SubMesh:
+        if isinstance(key, int):
+            if not -len(self._sel) <= key < len(self._sel):
+                raise UsageError(f"rank index {key} is out of range for ranks {format_ranks(self._sel)}")
+            return SubMesh(self._mesh, (self._sel[key],))
+        if isinstance(key, slice):
+            chosen = self._sel[key]
+            if not chosen:
+                raise UsageError(f"slice {key} selects no rank of {format_ranks(self._sel)}")
+            return SubMesh(self._mesh, tuple(chosen))
+        return self.ranks(key)
+
+    def __len__(self) -> int:
+        return len(self._sel)
+
+    @property
+    def rank_ids(self) -> tuple[int, ...]:
+        return self._sel
+
+
+class SubMesh(_RankSet):
+    """Some ranks of a mesh, with the same methods."""
+
+    def __init__(self, mesh: Mesh, ranks: Iterable[int]) -> None:
+        self._mesh = mesh
+        self._sel = tuple(ranks)
+
+    def __repr__(self) -> str:
+        return f"<SubMesh ranks {format_ranks(self._sel)} of {self._mesh!r}>"
+
+
+class Mesh(_RankSet):
+    """A running mesh of rank processes driven from this process."""
+
+    def __init__(self, controller: Controller) -> None:
+        self._mesh = self
+        self._ctl = controller
+        self._sel = tuple(range(controller.world_size))
+        self.config = controller.cfg
+
+    # -- life cycle ------------------------------------------------------------
+    @classmethod
+    def start(cls, n: int | None = None, backend: str = "auto", respawn: str = "rank",
+              launcher: str = "local", hosts: Iterable[str] | str = (), *,
+              progress: Callable[[list[RankInfo]], None] | None = None,
+              **options: Any) -> Mesh:
+        """Start ``n`` ranks and wait until they joined their torch.distributed
+        group. ``n`` defaults to the visible GPUs, else min(4, CPU cores)."""
+        if isinstance(hosts, str):
+            hosts = tuple(h for h in hosts.split(",") if h)
+        cfg = MeshConfig(n=n, backend=backend, respawn=respawn, launcher=launcher,  # type: ignore[arg-type]
+                         hosts=tuple(hosts), **options)
+        info = backends.resolve(cfg.backend)
+        world = cfg.n or info.default_ranks()
+        if info.devices and world > len(info.devices):
+            raise UsageError(f"-n {world} asks for more ranks than the {len(info.devices)} visible "
+                             f"GPU(s); use -n {len(info.devices)} or --backend cpu")
+        ctl = Controller(cfg, info, world)
+        try:
+            ctl.start(progress)
+        except BaseException:
+            ctl.stop(grace=1.0)
+            raise
+        mesh = cls(ctl)
+        _live_meshes.add(mesh)
+        return mesh
+
+    def stop(self) -> None:
+        """Stop every rank (killing stuck ones after a short grace)."""
+        self._ctl.stop()
+        _live_meshes.discard(self)
+
+    def __enter__(self) -> Mesh:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def running(self) -> bool:
+        return not self._ctl.stopped
+
+    @property
+    def world_size(self) -> int:
+        return self._ctl.world_size
+
+    @property
+    def backend(self) -> str:
+        return self._ctl.backend.name
+
+    # -- control ----------------------------------------------------------------
+    def kill(self, rank: int, signal: str | int = "KILL") -> None:
+        """Send a signal to a rank's process (fault injection)."""
+        (r,) = parse_ranks(rank, self.world_size) if isinstance(rank, (int, str)) else (rank,)
+        sig = _signal(signal)
+        ctl = self._live()
+        if ctl.ranks[r].state == RankState.DEAD:
+            raise UsageError(f"rank {r} is already dead")
+        ctl.supervisor.signal(r, sig)
+
+    def status(self) -> list[dict[str, Any]]:
+        """One dict per rank: state, pid, incarnation, device, heartbeat age..."""
+        now = time.monotonic()
+        rows = []
+        for info in self._ctl.ranks:
+            rows.append({
+                "rank": info.rank, "state": info.state.value, "pid": info.pid,
+                "incarnation": info.incarnation, "device": info.device,
+                "heartbeat_age": round(now - info.last_heartbeat, 2) if info.last_heartbeat else None,
+                "exit": self._ctl.describe_exit(info.exitcode) if info.state == RankState.DEAD else "",
+            })
+        return rows
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return [asdict(e) for e in list(self._ctl.events)]
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Inbound messages dropped by reason (bad-signature, replay, ...)."""
+        return dict(self._ctl.io.dropped)
+
+    def logs(self, rank: int, tail: int = 100) -> list[str]:
+        (r,) = parse_ranks(rank, self.world_size)
+        return self._ctl.supervisor.tail(r, tail)
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"<Mesh {self.world_size} ranks, {self.backend}, {state}>"
+
+    # -- internals -------------------------------------------------------------
+    def _live(self) -> Controller:
+        if self._ctl.stopped:
+            raise MeshNotRunning("this mesh was stopped; start a new one with Mesh.start() "
+                                 "or %monarch start")
+        return self._ctl
+
+    def _call(self, kind: Kind, ranks: tuple[int, ...], payload: list[Any],
+              meta: dict[str, Any] | None, timeout: float | None) -> RankResults:
+        """A blocking call: send, wait (leading the I/O loop), and apply the
+        waiting policy: timeout -> interrupt + CallTimeout; Ctrl-C ->
+        interrupt the ranks, let them settle, re-raise."""
+        ctl = self._live()
+        fut: MeshFuture | None = None
+        try:
+            fut = ctl.call(kind, ranks, payload, meta, CallOutput(), timeout)
+            if not fut.done():
+                where = self._interrupt_and_settle(fut)
+                raise CallTimeout(timeout or 0.0, where)
+            return fut.result()
+        except KeyboardInterrupt:
+            if fut is None:  # interrupted before the call object was returned
+                fut = next((c.future for c in list(ctl.calls.values())), None)
+            if fut is not None:
+                self._interrupt_and_settle(fut)
+            raise
+
+    def wait(self, future: MeshFuture, timeout: float | None = None) -> RankResults:
+        """Wait for a future from ``run_async``/``exec_async`` (leading the
+        I/O loop, so no thread hand-off) and return its result."""
+        try:
+            if not self._ctl.wait(future, timeout):
+                raise concurrent.futures.TimeoutError(f"call still running after {timeout} s")
+        except KeyboardInterrupt:
+            self._interrupt_and_settle(future)
+            raise
+        return future.result()
+
+    def _interrupt_and_settle(self, fut: MeshFuture) -> dict[int, str]:
+        """Interrupt the ranks still in ``fut``'s call and give them a moment
+        to come back; returns where each of them was."""
+        call = self._ctl.calls.get(fut.call_id)
+        self._ctl.interrupt(fut.call_id)
+        self._ctl.wait(fut, INTERRUPT_GRACE_S)
+        if call is None:
+            return {}
+        where = dict(call.where)
+        for r in fut.ranks:
+            if r in call.remaining and r not in where:
+                where[r] = "unknown (did not answer the interrupt)"
+        return where
+
+
+_live_meshes: set[Mesh] = set()
+
+
+def _call_payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    if not callable(fn):
+        raise UsageError(f"run() needs a function, got {type(fn).__name__}")
+    try:
+        return serialize.dumps((fn, args, kwargs))
+    except serialize.SerializationError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _exec_meta(code: str, setup: bool, name: str | None) -> dict[str, Any]:
+    if not isinstance(code, str):
+        raise UsageError(f"exec() needs a string of code, got {type(code).__name__}")
+    name = name or f"<mnb-cell-{next(_cell_counter)}>"
+    try:
+        ast.parse(code, filename=name)
+    except SyntaxError as exc:
+        raise _syntax_error(exc, code) from None
+    return {"code": code, "name": name, "setup": bool(setup)}
+
+
+def _push(values: dict[str, Any]) -> None:
+    import __main__
+
+    vars(__main__).update(values)
+
+
+def _pull(name: str) -> Any:
+    import __main__
+
+    ns = vars(__main__)
+    if name not in ns:
+        raise NameError(f"name {name!r} is not defined on this rank")
+    return ns[name]
+
+
+def _signal(sig: str | int) -> int:
+    if isinstance(sig, int):
+        return sig
+    name = sig.upper()
+    name = name if name.startswith("SIG") else "SIG" + name
+    try:
+        return int(getattr(signal_mod, name))
+    except AttributeError:
+        raise UsageError(f"unknown signal {sig!r}; use KILL, TERM, STOP, CONT or INT") from None
+
+
+def _syntax_error(exc: SyntaxError, code: str) -> MonarchError:
+    line = (exc.text or "").rstrip("\n")
+    caret = " " * max(0, (exc.offset or 1) - 1) + "^"
+    return UsageError(f"syntax error in the cell, line {exc.lineno}: {exc.msg}\n    {line}\n    {caret}\n"
+                      "nothing was sent to the ranks")
+
+
+def stop_all() -> None:
+    for mesh in list(_live_meshes):
+        mesh.stop()
+
+
+__all__ = ["Mesh", "RankResults", "SubMesh", "Event", "RankErrors", "stop_all"]

@@ -1,0 +1,187 @@
+"""Supervisor: starts rank processes, notices their exit, stops them.
+
+Ranks are fresh interpreters (``python -m monarch_nb.worker``) started with
+``subprocess.Popen`` — never ``fork`` of the kernel, which may have
+initialised CUDA. The key travels in the child's environment (never argv).
+Each rank writes stdout/stderr to its own log file in a private (0700)
+directory: ``RankDied`` quotes its last lines and ``%monarch logs`` reads it.
+
+Spawning happens on the controller's I/O thread on purpose: Linux delivers a
+child's parent-death signal when the *thread* that forked it exits, and the
+I/O thread lives exactly as long as the mesh.
+
+Exit detection: each child's pidfd is watched by the I/O thread's poller, so a
+death is seen as soon as it happens; where pidfds do not exist the controller's
+tick polls instead.
+
+Non-goals: what to do about a death (controller now, policy.py later).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+import psutil
+
+from . import config
+from .backends import BackendInfo, pin_env
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    incarnation: int
+    popen: subprocess.Popen[bytes]
+    log_path: str
+    pidfd: int | None = None
+    reaped: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+@dataclass
+class Supervisor:
+    """Owns the rank processes of one mesh."""
+
+    world_size: int
+    backend: BackendInfo
+    controller_endpoint: str
+    key: bytes
+    mesh_id: str
+    master_port: int
+    controller_timeout: float = 10.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="monarch-nb-"))
+    procs: dict[int, RankProcess] = field(default_factory=dict)
+    history: list[RankProcess] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        os.chmod(self.log_dir, 0o700)
+
+    def env_for(self, rank: int, incarnation: int) -> dict[str, str]:
+        env = dict(os.environ)
+        for var in (config.ENV_KEY_FILE,):
+            env.pop(var, None)
+        env.update(self.extra_env)
+        env.update({
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.world_size),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(self.master_port),
+            config.ENV_CONTROLLER: self.controller_endpoint,
+            config.ENV_KEY: self.key.hex(),
+            config.ENV_MESH_ID: self.mesh_id,
+            config.ENV_INCARNATION: str(incarnation),
+            config.ENV_BACKEND: self.backend.name,
+            config.ENV_PARENT_PID: str(os.getpid()),
+            config.ENV_CONTROLLER_TIMEOUT: str(self.controller_timeout),
+            "PYTHONUNBUFFERED": "1",
+        })
+        pin_env(self.backend, rank, env)
+        return env
+
+    def spawn(self, rank: int, incarnation: int = 0) -> RankProcess:
+        log_path = os.path.join(self.log_dir, f"rank{rank}.{incarnation}.log")
+        log = open(log_path, "ab", buffering=0)  # noqa: SIM115 - handed to the child
+        try:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "monarch_nb.worker"],
+                env=self.env_for(rank, incarnation),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                # Own session: the terminal's / Jupyter's SIGINT to the kernel's
+                # process group must not hit ranks directly; interrupts go
+                # through the controller, to the call they are meant for.
+                start_new_session=True,
+                close_fds=True,
+            )
+        finally:
+            log.close()
+        proc = RankProcess(rank, incarnation, popen, log_path)
+        from .transport import pidfd_open
+
+        proc.pidfd = pidfd_open(popen.pid)
+        self.procs[rank] = proc
+        self.history.append(proc)
+        return proc
+
+    def reap(self, rank: int) -> int | None:
+        """The exit status of ``rank``'s current process if it ended (and
+        reap it), else None. Negative values are signals, as in Popen."""
+        proc = self.procs.get(rank)
+        if proc is None:
+            return None
+        code = proc.popen.poll()
+        if code is not None and not proc.reaped:
+            proc.reaped = True
+            if proc.pidfd is not None:
+                try:
+                    os.close(proc.pidfd)
+                except OSError:
+                    pass
+                proc.pidfd = None
+        return code
+
+    def signal(self, rank: int, sig: int) -> None:
+        proc = self.procs.get(rank)
+        if proc is None or proc.popen.poll() is not None:
+            return
+        try:
+            os.kill(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def tail(self, rank: int, lines: int = 10, incarnation: int | None = None) -> list[str]:
+        """Last ``lines`` lines of a rank's log (its current incarnation by default)."""
+        procs = [p for p in self.history if p.rank == rank
+                 and (incarnation is None or p.incarnation == incarnation)]
+        if not procs:
+            return []
+        path = procs[-1].log_path
+        try:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 64 * 1024))
+                data = f.read().decode("utf-8", "replace")
+        except OSError:
+            return []
+        return data.splitlines()[-lines:]
+
+    def terminate_all(self, grace: float = 3.0) -> None:
+        """SIGTERM-free stop: ranks were asked to STOP over the socket by the
+        controller; whoever is still alive after ``grace`` gets SIGKILL —
+        including any child processes the user's code started."""
+        alive = []
+        for proc in self.procs.values():
+            try:
+                p = psutil.Process(proc.pid)
+                alive.append(p)
+                alive.extend(p.children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+        _, still = psutil.wait_procs(alive, timeout=grace)
+        for p in still:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(still, timeout=5)
+        for rank in list(self.procs):
+            self.reap(rank)
+
+    def cleanup_logs(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.log_dir, ignore_errors=True)

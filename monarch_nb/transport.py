@@ -1,0 +1,309 @@
+"""Transport: ZeroMQ sockets and the controller's I/O thread. Never unpickles.
+
+Controller side: one ROUTER socket, bound to loopback by default, owned by one
+I/O thread (:class:`IOLoop`). Other threads never touch it: they append a
+command to a deque and wake the loop through an eventfd, which costs one
+wake-up (the notes in shared/ measured every extra thread hand-off at about the
+price of the network hop itself on two cores). The same poll also watches
+extra file descriptors (the supervisor registers each child's pidfd, so a dead
+rank is noticed the moment it exits, without waiting for heartbeats).
+
+Every inbound message goes through :meth:`Codec.verify` on the I/O thread;
+failures are counted in :attr:`IOLoop.dropped` by reason and discarded. The
+routing identity must equal the signed sender id, so a key holder cannot
+impersonate another rank's socket either.
+
+Rank side: two DEALER sockets per rank process (see worker.py): ``main`` for
+calls and results, used only by the main thread, and ``ctl`` for heartbeats,
+interrupts and output, used only by the control thread. Keeping them apart
+means a rank stuck in a collective still answers on ``ctl``.
+
+Non-goals: decisions (controller), payload encoding (serialize).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import zmq
+
+from .errors import ProtocolError
+from .protocol import Codec, Message
+
+log = logging.getLogger(__name__)
+
+MessageHandler = Callable[[bytes, Message], None]
+
+# After a blocking caller hands the sockets back, the I/O thread waits this
+# long before taking them: a loop of calls then never pays for waking it, and
+# heartbeats or output are at most this late.
+LINGER_S = 0.005
+
+
+class IOLoop:
+    """The controller's I/O thread and ROUTER socket."""
+
+    def __init__(
+        self,
+        codec: Codec,
+        on_message: MessageHandler,
+        *,
+        bind: str = "127.0.0.1",
+        on_tick: Callable[[float], float | None] | None = None,
+        max_message_bytes: int = 4 << 30,
+    ) -> None:
+        self.codec = codec
+        self._on_message = on_message
+        self._on_tick = on_tick
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self.router.setsockopt(zmq.RCVHWM, 0)
+        self.router.setsockopt(zmq.SNDHWM, 0)
+        host = "[::1]" if bind == "::1" else ("127.0.0.1" if bind == "localhost" else bind)
+        if bind == "::1":
+            self.router.setsockopt(zmq.IPV6, 1)
+        port = self.router.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self._commands: collections.deque[Callable[[], None]] = collections.deque()
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._fds: dict[int, Callable[[], None]] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(self.router, zmq.POLLIN)
+        self._poller.register(self._wake_fd, zmq.POLLIN)
+        self._stopping = False
+        self._lead = threading.RLock()
+        self._want = 0
+        self._want_lock = threading.Lock()
+        self._released_at = 0.0
+        self._next_tick = time.monotonic()
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.thread = threading.Thread(target=self._run, name="monarch-nb-io", daemon=True)
+
+    # -- thread-safe API ----------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the thread that leads the loop, in order with other
+        commands (usually the I/O thread)."""
+        self._commands.append(fn)
+        os.eventfd_write(self._wake_fd, 1)
+
+    def watch_fd(self, fd: int, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the loop once ``fd`` becomes readable (a pidfd:
+        the process exited). The registration is removed first."""
+
+        def add() -> None:
+            self._fds[fd] = callback
+            self._poller.register(fd, zmq.POLLIN)
+
+        self.call_soon(add)
+
+    @contextlib.contextmanager
+    def leadership(self) -> Iterator[None]:
+        """Own the sockets for the duration of a blocking call.
+
+        The sockets have exactly one owner at any time, the holder of
+        ``_lead``: the I/O thread by default, or a thread that is blocked
+        waiting on a call anyway. Such a thread sends its request and runs
+        the loop itself (:meth:`run_once`) until its call is answered, so
+        the blocking path has no thread hand-off at all; every handler still
+        runs on exactly one thread at a time. On two cores each hand-off
+        costs about as much as the network hop (shared/notes), so this is
+        what keeps a no-op call near the ZeroMQ floor.
+
+        After a caller gives the sockets back the I/O thread waits
+        ``LINGER_S`` before taking them again, so a loop of calls never has
+        to wake it.
+        """
+        lead = self._lead
+        if not lead.acquire(blocking=False):
+            with self._want_lock:
+                self._want += 1
+            try:
+                os.eventfd_write(self._wake_fd, 1)
+                lead.acquire()
+            finally:
+                with self._want_lock:
+                    self._want -= 1
+        try:
+            yield
+        finally:
+            self._released_at = time.monotonic()
+            lead.release()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        try:
+            os.eventfd_write(self._wake_fd, 1)
+        except OSError:
+            pass
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+        if not self.thread.is_alive():
+            with self._lead:
+                self._close()
+
+    # -- whoever leads ----------------------------------------------------------
+    def send(self, ident: bytes, frames: Sequence[Any]) -> None:
+        """Send now; only call while leading (handlers, commands, or inside
+        :meth:`leadership`)."""
+        try:
+            self.router.send_multipart([ident, *frames], copy=False)
+        except zmq.ZMQError as exc:  # peer gone: the supervisor reports deaths
+            log.debug("send to %r failed: %s", ident, exc)
+
+    def run_once(self, timeout: float) -> None:
+        """One turn of the loop: wait up to ``timeout`` s for anything, then
+        run commands, inbound messages, exited processes and the tick."""
+        timeout_ms = max(0.0, min(timeout, self._next_tick - time.monotonic()) * 1000)
+        try:
+            events = dict(self._poller.poll(timeout_ms))
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.ETERM:
+                self._stopping = True
+                return
+            raise
+        if self._wake_fd in events:
+            try:
+                os.eventfd_read(self._wake_fd)
+            except BlockingIOError:
+                pass
+        self._run_commands()
+        if self.router in events:
+            self._drain_router()
+        for fd in list(self._fds):
+            if fd in events:
+                callback = self._fds.pop(fd)
+                self._poller.unregister(fd)
+                self._guard(callback)
+        now = time.monotonic()
+        if now >= self._next_tick:
+            delay = self._guard(lambda: self._on_tick(now)) if self._on_tick else None
+            self._next_tick = now + (delay if isinstance(delay, (int, float)) else 0.5)
+
+    # -- I/O thread -----------------------------------------------------------
+    def _run(self) -> None:
+        lead = self._lead
+        while not self._stopping:
+            idle = time.monotonic() - self._released_at
+            if idle < LINGER_S:
+                time.sleep(LINGER_S - idle)
+                continue
+            # Never queue on the lock: a queued I/O thread would grab the
+            # sockets the moment a caller lets go, and the caller's next call
+            # would have to wake it again.
+            if not lead.acquire(blocking=False):
+                time.sleep(LINGER_S)
+                continue
+            if time.monotonic() - self._released_at < LINGER_S:
+                lead.release()
+                continue
+            try:
+                while not self._stopping and not self._want:
+                    self.run_once(1.0)
+                    if self._released_at > time.monotonic() - LINGER_S:
+                        break
+            finally:
+                lead.release()
+        with lead:
+            self._run_commands()
+            self._close()
+
+    def _run_commands(self) -> None:
+        commands = self._commands
+        while commands:
+            self._guard(commands.popleft())
+
+    def _drain_router(self) -> None:
+        router = self.router
+        for _ in range(1000):  # bounded so commands and ticks are not starved
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            ident = frames[0].bytes
+            try:
+                msg = self.codec.verify(frames[1:])
+                if msg.header.sender.encode() != ident:
+                    raise ProtocolError("sender-mismatch", f"{ident!r} claims {msg.header.sender!r}")
+            except ProtocolError as exc:
+                self.dropped[exc.reason] += 1
+                n = self.dropped[exc.reason]
+                if n == 1 or n % 1000 == 0:  # a flood of forgeries must not flood the log
+                    log.warning("dropped %d message(s) (%s), latest from %r: %s",
+                                n, exc.reason, ident[:64], exc)
+                continue
+            self._guard(lambda: self._on_message(ident, msg))
+
+    def _guard(self, fn: Callable[[], Any]) -> Any:
+        # The I/O thread must survive any bug in a handler: a dead I/O thread
+        # is a hung notebook.
+        try:
+            return fn()
+        except Exception:
+            log.exception("monarch_nb I/O thread handler failed")
+            return None
+
+    def _close(self) -> None:
+        if self.router.closed:
+            return
+        self.router.close(linger=0)
+        try:
+            os.close(self._wake_fd)
+        except OSError:
+            pass
+        self.ctx.term()
+
+
+def pidfd_open(pid: int) -> int | None:
+    """A pidfd for ``pid`` (readable once the process exits), or None where
+    the kernel lacks pidfd_open (Linux < 5.3): the supervisor then polls."""
+    opener = getattr(os, "pidfd_open", None)
+    if opener is None:
+        return None
+    try:
+        return opener(pid)
+    except OSError:
+        return None
+
+
+def dealer(ctx: zmq.Context, identity: str, endpoint: str) -> zmq.Socket:
+    """A rank-side DEALER connected to the controller."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity.encode())
+    sock.setsockopt(zmq.LINGER, 2000)  # let the last result leave on exit
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.IMMEDIATE, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def recv_verified(sock: zmq.Socket, codec: Codec, dropped: collections.Counter[str]) -> Message | None:
+    """Receive one message and verify it; None (and counted) if it fails."""
+    frames = sock.recv_multipart(copy=False)
+    try:
+        return codec.verify(frames)
+    except ProtocolError as exc:
+        dropped[exc.reason] += 1
+        return None
+
+
+__all__ = ["IOLoop", "dealer", "pidfd_open", "recv_verified"]

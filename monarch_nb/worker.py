@@ -1,0 +1,305 @@
+"""The rank process: ``python -m monarch_nb.worker`` (started by the supervisor).
+
+Two threads:
+
+* the **main thread** owns the ``main`` DEALER socket: it receives CALL/EXEC
+  messages, runs user code in the rank's persistent namespace (signals, CUDA
+  and torch.distributed all want the main thread) and sends the RESULT;
+* the **control thread** owns the ``ctl`` DEALER socket: heartbeats, controller
+  pings, interrupts, output chunks and (later) stacks. It keeps answering while
+  the main thread is stuck in a collective or a C call.
+
+Interrupts are delivered as SIGINT to the main thread by the control thread,
+and only raise ``KeyboardInterrupt`` if they target the call that is running:
+a late interrupt for a call that already finished must not kill the next one.
+
+No orphans: the parent-death signal (Linux prctl) kills the rank with its
+controller's process; a rank that hears no ping for ``controller_timeout``
+seconds exits too (remote hosts, or a parent that was SIGSTOPped).
+
+Non-goals: respawn decisions (controller/supervisor), formatting output.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import ctypes
+import linecache
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import types
+from typing import Any
+
+import zmq
+
+from . import _context, serialize
+from .backends import init_group
+from .capture import OutputBuffer, RankStream
+from .config import RankEnv
+from .protocol import Codec, Kind, Message
+from .transport import dealer, recv_verified
+
+HEARTBEAT_S = 0.5
+OUTPUT_FLUSH_S = 0.02
+_WORKER_FILE = __file__.removesuffix("c")
+
+
+def _set_parent_death_signal() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Worker:
+    def __init__(self, env: RankEnv) -> None:
+        self.env = env
+        ident = f"r{env.rank}.{env.incarnation}"
+        self.ctx = zmq.Context()
+        self.main_id = f"{ident}.main"
+        self.ctl_id = f"{ident}.ctl"
+        self.main_codec = Codec(env.key, self.main_id)
+        self.ctl_codec = Codec(env.key, self.ctl_id)
+        self.main_sock = dealer(self.ctx, self.main_id, env.controller)
+        self.ctl_sock = dealer(self.ctx, self.ctl_id, env.controller)
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.output = OutputBuffer()
+        self.running_call = 0
+        self.interrupt_call = 0
+        self.stopping = False
+        self.main_thread_id = threading.get_ident()
+        self.last_ping = time.monotonic()
+        self.user_module = types.ModuleType("__main__")
+        self.user_module.__dict__["__builtins__"] = __builtins__
+        self.namespace = self.user_module.__dict__
+
+    # -- start-up ------------------------------------------------------------
+    def start(self) -> None:
+        env = self.env
+        _context._set(
+            rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
+            incarnation=env.incarnation, backend=env.backend,
+        )
+        log = sys.stdout
+        sys.stdout = RankStream("stdout", self.output, log)
+        sys.stderr = RankStream("stderr", self.output, sys.__stderr__)
+        sys.modules["__main__"] = self.user_module
+        signal.signal(signal.SIGINT, self._on_sigint)
+        threading.Thread(target=self._control_loop, name="monarch-nb-control", daemon=True).start()
+        try:
+            device = init_group(env.backend, env.rank, env.world_size)
+        except BaseException as exc:  # report, then die: the controller decides
+            text = "".join(traceback.format_exception(exc))
+            self._send_main(Kind.FAILED_START, meta={"error": f"{type(exc).__name__}: {exc}", "tb": text})
+            sys.__stderr__.write(text)
+            self._exit(2)
+        self._send_main(Kind.READY, meta={"device": device, "pid": os.getpid()})
+
+    # -- main thread -----------------------------------------------------------
+    def serve(self) -> None:
+        while not self.stopping:
+            try:
+                msg = recv_verified(self.main_sock, self.main_codec, self.dropped)
+            except KeyboardInterrupt:  # a stray interrupt while idle
+                continue
+            if msg is None:
+                continue
+            if msg.kind in (Kind.CALL, Kind.EXEC):
+                self._execute(msg)
+            elif msg.kind == Kind.STOP:
+                break
+        self._exit(0)
+
+    def _execute(self, msg: Message) -> None:
+        call = msg.header.call
+        leftover = self.output.begin(call)
+        if leftover:
+            self._send_main(Kind.OUTPUT, call=0, meta={"n": -1, "o": leftover})
+        self.running_call = call
+        ok, value, error = True, None, None
+        try:
+            try:
+                if msg.kind == Kind.CALL:
+                    fn, args, kwargs = serialize.loads(msg.payload)
+                    value = fn(*args, **kwargs)
+                else:
+                    value = self._run_cell(msg.meta["code"], msg.meta.get("name", "<mnb-cell>"))
+            finally:
+                self.running_call = 0
+        except BaseException as exc:  # the rank survives whatever the user code does
+            ok, error = False, self._describe(exc)
+        if isinstance(sys.stdout, RankStream):
+            sys.stdout.flush()
+        n_out, tail = self.output.finish()
+        meta: dict[str, Any] = {"ok": ok, "n_out": n_out}
+        if tail:
+            meta["o"] = tail
+        payload: list[Any] = []
+        if ok and value is not None:
+            try:
+                payload = serialize.dumps(value)
+            except serialize.SerializationError as exc:
+                meta["ok"] = False
+                error = {
+                    "type": "SerializationError",
+                    "msg": f"the result ({type(value).__name__}) cannot be sent back: {exc}; "
+                    "return something picklable, or keep it on the rank in a variable",
+                    "tb": "",
+                }
+        if not meta["ok"]:
+            meta["error"] = error
+        self._send_main(Kind.RESULT, payload, call=call, meta=meta)
+
+    def _run_cell(self, code: str, name: str) -> Any:
+        lines = code.splitlines(True)
+        linecache.cache[name] = (len(code), None, lines, name)  # tracebacks show cell source
+        tree = ast.parse(code, filename=name, mode="exec")
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr) and not code.rstrip().endswith(";"):
+            last = ast.Expression(tree.body.pop().value)
+        exec(compile(tree, name, "exec"), self.namespace)
+        if last is not None:
+            return eval(compile(last, name, "eval"), self.namespace)
+        return None
+
+    def _describe(self, exc: BaseException) -> dict[str, str]:
+        tb = exc.__traceback__
+        # Hide the worker's own frames: the user wants their code, not ours.
+        while tb is not None and tb.tb_frame.f_code.co_filename in (_WORKER_FILE, serialize.__file__):
+            tb = tb.tb_next
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        name = type(exc).__qualname__
+        module = type(exc).__module__
+        if module not in ("builtins", "__main__"):
+            name = f"{module}.{name}"
+        return {"type": name, "msg": str(exc), "tb": text}
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.running_call and self.interrupt_call == self.running_call:
+            self.interrupt_call = 0
+            raise KeyboardInterrupt
+
+    def _send_main(self, kind: Kind, payload: list[Any] | None = None, *, call: int = 0,
+                   meta: dict[str, Any] | None = None) -> None:
+        frames = self.main_codec.sign(kind, payload or [], call=call, meta=meta)
+        self.main_sock.send_multipart(frames, copy=False)
+
+    # -- control thread ------------------------------------------------------------
+    def _control_loop(self) -> None:
+        sock, env = self.ctl_sock, self.env
+        self._send_ctl(Kind.HELLO, meta={"pid": os.getpid(), "incarnation": env.incarnation,
+                                         "host": os.uname().nodename})
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        next_beat = 0.0
+        while True:
+            busy = self.running_call != 0 or self.output.pending
+            events = poller.poll(OUTPUT_FLUSH_S * 1000 if busy else HEARTBEAT_S * 500)
+            now = time.monotonic()
+            if events:
+                while True:
+                    try:
+                        msg = recv_verified(sock, self.ctl_codec, self.dropped) if sock.poll(0) else None
+                    except zmq.ZMQError:
+                        return
+                    if msg is None:
+                        break
+                    self.last_ping = now
+                    self._control(msg)
+            chunk = self.output.take_chunk()
+            if chunk is not None:
+                call, n, items = chunk
+                self._send_ctl(Kind.OUTPUT, call=call, meta={"n": n, "o": items})
+            if now >= next_beat:
+                next_beat = now + HEARTBEAT_S
+                self._send_ctl(Kind.HEARTBEAT, meta={"busy": self.running_call})
+                if now - self.last_ping > env.controller_timeout:
+                    sys.__stderr__.write(f"monarch_nb rank {env.rank}: controller silent for "
+                                         f"{env.controller_timeout:g} s, exiting\n")
+                    os._exit(3)
+                if env.parent_pid and os.getppid() != env.parent_pid:
+                    os._exit(3)
+
+    def _control(self, msg: Message) -> None:
+        if msg.kind == Kind.INTERRUPT:
+            call = msg.header.call
+            where = ""
+            if self.running_call and (call == 0 or call == self.running_call):
+                where = self.main_location()
+                self.interrupt_call = self.running_call
+                signal.pthread_kill(self.main_thread_id, signal.SIGINT)
+            self._send_ctl(Kind.INTERRUPTED, call=call, meta={"where": where})
+        elif msg.kind == Kind.STOP:
+            self.stopping = True
+            if self.running_call:
+                self.interrupt_call = self.running_call
+                signal.pthread_kill(self.main_thread_id, signal.SIGINT)
+            # The main thread leaves at once if idle (it also gets STOP); if it
+            # is stuck in C code, do not wait for it.
+            threading.Timer(2.0, lambda: self._exit(0)).start()
+        elif msg.kind == Kind.STACKS:
+            self._send_ctl(Kind.STACKS_REPLY, call=msg.header.call, meta={"stacks": self.stacks()})
+
+    def _send_ctl(self, kind: Kind, *, call: int = 0, meta: dict[str, Any] | None = None) -> None:
+        self.ctl_sock.send_multipart(self.ctl_codec.sign(kind, call=call, meta=meta), copy=False)
+
+    def main_location(self) -> str:
+        frame = sys._current_frames().get(self.main_thread_id)
+        return describe_frame(frame)
+
+    def stacks(self) -> dict[str, str]:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        out = {}
+        for ident, frame in sys._current_frames().items():
+            out[names.get(ident, str(ident))] = "".join(traceback.format_stack(frame))
+        return out
+
+    def _exit(self, code: int) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)  # skip atexit: torch.distributed teardown can hang on dead peers
+
+
+def describe_frame(frame: Any) -> str:
+    """Where a thread is, user code first: ``<mnb-cell-3> line 5 in f: time.sleep(9)``."""
+    if frame is None:
+        return "unknown"
+    user = None
+    inner = frame
+    f = frame
+    while f is not None:
+        name = f.f_code.co_filename
+        if name.startswith("<mnb-cell") and user is None:
+            user = f
+        f = f.f_back
+    parts = []
+    for fr in (inner, user) if user is not None and user is not inner else (inner,):
+        line = linecache.getline(fr.f_code.co_filename, fr.f_lineno).strip()
+        parts.append(f"{fr.f_code.co_filename} line {fr.f_lineno} in {fr.f_code.co_name}"
+                     + (f": {line}" if line else ""))
+    return " <- ".join(parts)
+
+
+def main() -> None:
+    env = RankEnv.from_environ()
+    _set_parent_death_signal()
+    if env.parent_pid and os.getppid() != env.parent_pid:
+        os._exit(3)  # the controller died before we could arm the death signal
+    worker = Worker(env)
+    worker.start()
+    worker.serve()
+
+
+if __name__ == "__main__":
+    main()
