@@ -119,15 +119,43 @@ def pin_env(info: BackendInfo, local_rank: int, env: dict[str, str]) -> None:
         env["CUDA_VISIBLE_DEVICES"] = device
 
 
-def init_group(backend: str, rank: int, world_size: int, timeout_s: float | None = None) -> str:
-    """Join the torch.distributed group (env:// rendezvous); returns a short
-    description of the device, e.g. ``cuda:0 (NVIDIA H200)`` or ``cpu``."""
+_store_socket: Any = None  # keeps rank 0's listening socket open
+
+
+def make_store(rank: int, world_size: int, addr: str, port: int, timeout_s: float = 300.0) -> Any:
+    """The rendezvous TCPStore. Rank 0 hosts it on a socket bound to
+    ``addr`` only: torch's own TCPStore server listens on every interface,
+    an unauthenticated key-value store open to the network."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore(addr, port, world_size, False, timeout=timeout)
+    global _store_socket
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((addr, port))
+    sock.listen(max(16, 2 * world_size))
+    _store_socket = sock
+    return dist.TCPStore(addr, port, world_size, True, timeout=timeout,
+                         master_listen_fd=sock.fileno())
+
+
+def init_group(backend: str, rank: int, world_size: int, addr: str = "127.0.0.1",
+               port: int = 0, timeout_s: float | None = None) -> str:
+    """Join the torch.distributed group; returns a short description of the
+    device, e.g. ``cuda:0 (NVIDIA H200)`` or ``cpu``."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
-    kwargs: dict[str, Any] = {"rank": rank, "world_size": world_size}
+    kwargs: dict[str, Any] = {"rank": rank, "world_size": world_size,
+                              "store": make_store(rank, world_size, addr, port)}
     if timeout_s:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     if backend in ("cuda", "rocm"):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import io
 import threading
-from typing import TextIO
+from typing import Any, TextIO
 
 # Per call and stream, text beyond this is not forwarded to the notebook (the
 # rank's log file still has all of it): a runaway print loop must not flood
@@ -28,7 +28,9 @@ class OutputBuffer:
 
     def __init__(self, limit: int = FORWARD_LIMIT) -> None:
         self._lock = threading.Lock()
-        self._items: list[list[str]] = []  # [stream, text]
+        # [stream, [texts]]: a list of pieces, joined when taken — appending to
+        # one growing string would be quadratic for chatty ranks.
+        self._items: list[list[Any]] = []
         self._pending = 0
         self.call = 0
         self.chunks = 0  # OUTPUT chunks taken for the current call
@@ -40,7 +42,7 @@ class OutputBuffer:
         """Start attributing output to ``call``; returns what was left over
         from outside any call (background threads)."""
         with self._lock:
-            left = self._items
+            left = _joined(self._items)
             self._items, self._pending = [], 0
             self.call, self.chunks, self._forwarded, self._dropped = call, 0, 0, 0
             return left
@@ -53,9 +55,9 @@ class OutputBuffer:
             self._forwarded += len(text)
             items = self._items
             if items and items[-1][0] == stream:
-                items[-1][1] += text
+                items[-1][1].append(text)
             else:
-                items.append([stream, text])
+                items.append([stream, [text]])
             self._pending += len(text)
 
     @property
@@ -70,12 +72,12 @@ class OutputBuffer:
             items, self._items, self._pending = self._items, [], 0
             n = self.chunks
             self.chunks += 1
-            return self.call, n, items
+            return self.call, n, _joined(items)
 
     def finish(self) -> tuple[int, list[list[str]]]:
         """End the call: (chunks already taken, remaining items)."""
         with self._lock:
-            items, self._items, self._pending = self._items, [], 0
+            items, self._items, self._pending = _joined(self._items), [], 0
             if self._dropped:
                 items.append(
                     ["stderr", f"\n[monarch_nb: {self._dropped} more characters of output not "
@@ -84,6 +86,10 @@ class OutputBuffer:
             n = self.chunks
             self.call, self.chunks, self._forwarded, self._dropped = 0, 0, 0, 0
             return n, items
+
+
+def _joined(items: list[list[Any]]) -> list[list[str]]:
+    return [[stream, "".join(pieces)] for stream, pieces in items]
 
 
 class RankStream(io.TextIOBase):

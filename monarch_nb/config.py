@@ -38,6 +38,8 @@ ENV_BACKEND = "MONARCH_NB_BACKEND"  # resolved backend: cuda | rocm | cpu
 ENV_PARENT_PID = "MONARCH_NB_PARENT_PID"  # exit if this process disappears
 ENV_CONTROLLER_TIMEOUT = "MONARCH_NB_CONTROLLER_TIMEOUT"  # s without a ping -> exit
 ENV_GENERATION = "MONARCH_NB_GENERATION"
+ENV_IDENTITY = "MONARCH_NB_IDENTITY"  # socket identity prefix, with a random token
+ENV_MAX_MESSAGE = "MONARCH_NB_MAX_MESSAGE"  # results larger than this are refused
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class MeshConfig:
     extra_env: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if self.n is not None and (not isinstance(self.n, int) or self.n < 1):
+        if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1):
             raise UsageError(f"n must be a positive number of ranks, not {self.n!r}")
         if self.backend not in BACKENDS:
             raise UsageError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
@@ -109,6 +111,8 @@ class RankEnv:
     parent_pid: int | None
     controller_timeout: float
     generation: int
+    identity: str
+    max_message_bytes: int
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> RankEnv:
@@ -135,6 +139,8 @@ class RankEnv:
             parent_pid=int(parent) if parent else None,
             controller_timeout=float(env.get(ENV_CONTROLLER_TIMEOUT, "10")),
             generation=int(env.get(ENV_GENERATION, "0")),
+            identity=env.get(ENV_IDENTITY) or f"r{env['RANK']}.{env.get(ENV_INCARNATION, '0')}",
+            max_message_bytes=int(env.get(ENV_MAX_MESSAGE, str(4 << 30))),
         )
 
 

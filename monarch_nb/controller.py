@@ -59,6 +59,7 @@ class RankState(str, enum.Enum):
 class RankInfo:
     rank: int
     incarnation: int = 0
+    token: str = ""  # random part of the socket identities of this incarnation
     state: RankState = RankState.STARTING
     pid: int | None = None
     device: str = ""
@@ -70,12 +71,16 @@ class RankInfo:
     ready_at: float | None = None
 
     @property
+    def identity(self) -> str:
+        return f"r{self.rank}.{self.incarnation}.{self.token}"
+
+    @property
     def main_id(self) -> bytes:
-        return f"r{self.rank}.{self.incarnation}.main".encode()
+        return f"{self.identity}.main".encode()
 
     @property
     def ctl_id(self) -> bytes:
-        return f"r{self.rank}.{self.incarnation}.ctl".encode()
+        return f"{self.identity}.ctl".encode()
 
 
 @dataclass
@@ -135,6 +140,7 @@ class Controller:
             world_size=world_size, backend=backend, controller_endpoint=self.io.endpoint,
             key=self.key, mesh_id=self.mesh_id, master_port=_free_port(),
             controller_timeout=cfg.controller_timeout, extra_env=dict(cfg.extra_env),
+            max_message_bytes=cfg.max_message_bytes,
         )
         self.ranks = [RankInfo(r) for r in range(world_size)]
         self.events: list[Event] = []
@@ -191,7 +197,8 @@ class Controller:
         return MonarchError(f"rank {info.rank} failed to start: {why}\n{tail}")
 
     def _spawn(self, info: RankInfo) -> None:
-        proc = self.supervisor.spawn(info.rank, info.incarnation)
+        info.token = secrets.token_hex(8)
+        proc = self.supervisor.spawn(info.rank, info.incarnation, info.identity)
         info.pid = proc.pid
         info.state = RankState.STARTING
         info.started_at = time.monotonic()
@@ -344,7 +351,7 @@ class Controller:
 
     def _on_output(self, info: RankInfo, msg: Message) -> None:
         call = self.calls.get(msg.header.call)
-        items = msg.meta.get("o", [])
+        items = _output_items(msg.payload[0]) if msg.payload else []
         target = call.output if call is not None else self.default_output
         if target is not None:
             for stream, text in items:
@@ -366,11 +373,14 @@ class Controller:
         self._complete_rank(call, info, msg)
 
     def _complete_rank(self, call: PendingCall, info: RankInfo, msg: Message) -> None:
-        for stream, text in msg.meta.get("o", []):
-            call.output.feed(info.rank, str(stream), str(text))
+        payload = msg.payload
+        if msg.meta.get("o") and payload:
+            for stream, text in _output_items(payload[0]):
+                call.output.feed(info.rank, stream, text)
+            payload = payload[1:]
         if msg.meta.get("ok"):
             try:
-                call.results[info.rank] = serialize.loads(msg.payload) if msg.payload else None
+                call.results[info.rank] = serialize.loads(payload) if payload else None
             except serialize.SerializationError as exc:
                 call.errors[info.rank] = RemoteError(
                     info.rank, "SerializationError",
@@ -480,6 +490,18 @@ class Controller:
             return "still running"
         name = signal_name(code)
         return f"killed by {name}" if name else f"exited with code {code}"
+
+
+def _output_items(frame: Any) -> list[tuple[str, str]]:
+    """Output text of a verified message: JSON ``[[stream, text], ...]``
+    (JSON, not pickle: output is data, never code)."""
+    import json
+
+    try:
+        items = json.loads(bytes(frame))
+        return [(str(stream), str(text)) for stream, text in items]
+    except (ValueError, TypeError):
+        return [("stderr", "[monarch_nb: unreadable output chunk dropped]\n")]
 
 
 def _looks_like_peer_loss(err: RemoteError) -> bool:

@@ -12,6 +12,7 @@ IPython (``_render_traceback_``) and for plain ``str()``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -77,6 +78,9 @@ class RemoteError(MonarchError):
     def __str__(self) -> str:
         return f"rank {self.rank}: {self.type_name}: {self.message}"
 
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (RemoteError, (self.rank, self.type_name, self.message, self.traceback_text))
+
 
 @dataclass(frozen=True)
 class RankDied(MonarchError):
@@ -99,6 +103,9 @@ class RankDied(MonarchError):
             return f"exited with code {self.exitcode}"
         return "stopped answering"
 
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (RankDied, (self.rank, self.exitcode, self.signal_name, self.last_lines, self.incarnation))
+
     def __str__(self) -> str:
         text = f"rank {self.rank} died ({self.cause})"
         if self.last_lines:
@@ -113,6 +120,7 @@ class MembershipChanged(MonarchError):
     def __init__(self, rank: int, dead: Iterable[int], detail: str = "") -> None:
         self.rank = rank
         self.dead = tuple(sorted(dead))
+        self.detail = detail
         msg = (
             f"rank {rank}: the group changed under a collective "
             f"(rank {format_ranks(self.dead)} died)"
@@ -120,6 +128,9 @@ class MembershipChanged(MonarchError):
         if detail:
             msg += f": {detail}"
         super().__init__(msg)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (MembershipChanged, (self.rank, self.dead, self.detail))
 
 
 class CallTimeout(MonarchError):
@@ -134,6 +145,9 @@ class CallTimeout(MonarchError):
         for rank in sorted(self.where):
             lines.append(f"  rank {rank} was at {self.where[rank]}")
         super().__init__("\n".join(lines))
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (CallTimeout, (self.timeout, self.where))
 
 
 @dataclass
@@ -205,5 +219,5 @@ def _strip_rank(err: BaseException) -> str:
     text = str(err)
     rank = getattr(err, "rank", None)
     if rank is not None:
-        text = text.replace(f"rank {rank}", "rank ?")
+        text = re.sub(rf"\brank {rank}\b", "rank ?", text)
     return text

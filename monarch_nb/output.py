@@ -79,8 +79,8 @@ class CallOutput:
         # stream -> rank -> complete lines not yet emitted
         self._lines: dict[str, dict[int, list[str]]] = {}
         self._partial: dict[tuple[str, int], str] = {}
+        self._partial_since: dict[tuple[str, int], float] = {}
         self._oldest: float | None = None
-        self._oldest_partial: float | None = None
 
     def feed(self, rank: int, stream: str, text: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -91,10 +91,12 @@ class CallOutput:
             self._lines.setdefault(stream, {}).setdefault(rank, []).extend(complete)
             if self._oldest is None:
                 self._oldest = now
+            self._partial_since.pop(key, None)  # a new partial starts its own clock
         if rest:
             self._partial[key] = rest
-            if self._oldest_partial is None:
-                self._oldest_partial = now
+            self._partial_since.setdefault(key, now)
+        else:
+            self._partial_since.pop(key, None)
         if not self.fold:
             self.flush(force=False, now=float("inf"))
 
@@ -113,11 +115,19 @@ class CallOutput:
             lines, self._lines, self._oldest = self._lines, {}, None
             for stream, by_rank in lines.items():
                 self.emit(stream, render(by_rank))
-        if self._partial and (force or (self._oldest_partial is not None
-                                        and now - self._oldest_partial >= PARTIAL_S)):
-            partial, self._partial, self._oldest_partial = self._partial, {}, None
-            for (stream, rank), text in sorted(partial.items(), key=lambda kv: kv[0][1]):
-                self.emit(stream, f"[{rank}] {text}\n")
+        if not self._partial:
+            return
+        due = [k for k, since in self._partial_since.items() if force or now - since >= PARTIAL_S]
+        if due and self._oldest is not None:
+            # a rank's partial line must never overtake its earlier complete lines
+            lines, self._lines, self._oldest = self._lines, {}, None
+            for stream, by_rank in lines.items():
+                self.emit(stream, render(by_rank))
+        for key in sorted(due, key=lambda k: k[1]):
+            stream, rank = key
+            text = self._partial.pop(key)
+            del self._partial_since[key]
+            self.emit(stream, f"[{rank}] {text}\n")
 
 
 def render(by_rank: dict[int, list[str]]) -> str:

@@ -182,11 +182,14 @@ class Codec:
         return [self._digest(header, payload, sum(lengths)), header, *payload]
 
     # -- incoming ---------------------------------------------------------
-    def verify(self, frames: Sequence[Any]) -> Message:
-        """Check signature, replay and framing; return the parsed message.
+    def verify(self, frames: Sequence[Any], expected_sender: str | None = None) -> Message:
+        """Check signature, framing, sender and replay; return the message.
 
-        Raises ProtocolError(reason) on any failure; nothing in the payload has
-        been interpreted by then.
+        ``expected_sender`` is the identity the transport saw (the ROUTER's
+        routing id): it must match the signed sender *before* the replay
+        window is touched, so a key holder on another socket cannot poison a
+        live rank's window. Raises ProtocolError(reason) on any failure;
+        nothing in the payload has been interpreted by then.
         """
         n = len(frames)
         if n < 2:
@@ -220,10 +223,12 @@ class Codec:
             kind = _BY_CODE[code]
         except ProtocolError:
             raise
-        except (ValueError, TypeError, IndexError, struct.error, UnicodeDecodeError) as exc:
-            raise ProtocolError("malformed", str(exc)) from None
+        except Exception as exc:  # RecursionError from nested JSON included
+            raise ProtocolError("malformed", f"{type(exc).__name__}: {str(exc)[:200]}") from None
         if lengths != sizes:
             raise ProtocolError("truncated", "payload lengths differ from header")
+        if expected_sender is not None and sender != expected_sender:
+            raise ProtocolError("sender-mismatch", f"{expected_sender!r} claims {sender!r}")
         window = self._windows.get(sender)
         if window is None:
             window = self._windows[sender] = ReplayWindow()

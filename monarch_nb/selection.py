@@ -32,26 +32,28 @@ def parse_ranks(spec: str | int | Iterable[int] | slice | None, world_size: int)
     if isinstance(spec, int):
         return _check((spec,), world_size, str(spec))
     if isinstance(spec, slice):
+        if spec.step == 0:
+            raise SpecError(f"rank spec {spec!r}: a step of 0 selects nothing; {_HELP}")
         return _check(tuple(range(world_size))[spec], world_size, repr(spec), allow_empty=False)
     if not isinstance(spec, str):
         try:
-            ranks = tuple(int(r) for r in spec)
+            listed = tuple(int(r) for r in spec)
         except (TypeError, ValueError):
             raise SpecError(f"rank spec {spec!r} is not valid; {_HELP}") from None
-        return _check(ranks, world_size, repr(spec))
+        return _check(listed, world_size, repr(spec))
 
     text = spec.strip()
     if text.lower() in ("all", "*", ""):
         if not text:
             raise SpecError(f"empty rank spec; {_HELP}")
         return tuple(range(world_size))
-    ranks: list[int] = []
+    chosen: list[int] = []
     for part in text.split(","):
         part = part.strip()
         if not part:
             raise SpecError(f"rank spec {spec!r} has an empty item; {_HELP}")
-        ranks.extend(_parse_part(part, world_size, spec))
-    return _check(tuple(ranks), world_size, spec)
+        chosen.extend(_parse_part(part, world_size, spec))
+    return _check(tuple(chosen), world_size, spec)
 
 
 _HELP = "use a rank (3), a list (0,2), a range (1-3), a step (::2) or all"

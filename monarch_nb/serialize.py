@@ -75,9 +75,9 @@ class _Pickler(cloudpickle.Pickler):
         shape = tuple(data.shape)
         dtype_name = str(data.dtype).removeprefix("torch.")
         if nbytes < OOB_THRESHOLD:
-            payload: Any = bytes(data.view(torch.uint8).reshape(-1).numpy()) if nbytes else b""
+            payload: Any = bytes(data.reshape(-1).view(torch.uint8).numpy()) if nbytes else b""
         else:
-            payload = pickle.PickleBuffer(data.view(torch.uint8).reshape(-1).numpy())
+            payload = pickle.PickleBuffer(data.reshape(-1).view(torch.uint8).numpy())
         if type(t) is not torch.Tensor:  # Parameter: rebuild as Parameter
             return (_rebuild_parameter, (payload, dtype_name, shape, t.requires_grad))
         return (_rebuild_tensor, (payload, dtype_name, shape, t.requires_grad))

@@ -57,6 +57,7 @@ class Supervisor:
     mesh_id: str
     master_port: int
     controller_timeout: float = 10.0
+    max_message_bytes: int = 4 << 30
     extra_env: dict[str, str] = field(default_factory=dict)
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="monarch-nb-"))
     procs: dict[int, RankProcess] = field(default_factory=dict)
@@ -65,7 +66,7 @@ class Supervisor:
     def __post_init__(self) -> None:
         os.chmod(self.log_dir, 0o700)
 
-    def env_for(self, rank: int, incarnation: int) -> dict[str, str]:
+    def env_for(self, rank: int, incarnation: int, identity: str) -> dict[str, str]:
         env = dict(os.environ)
         for var in (config.ENV_KEY_FILE,):
             env.pop(var, None)
@@ -85,18 +86,23 @@ class Supervisor:
             config.ENV_BACKEND: self.backend.name,
             config.ENV_PARENT_PID: str(os.getpid()),
             config.ENV_CONTROLLER_TIMEOUT: str(self.controller_timeout),
+            config.ENV_IDENTITY: identity,
+            config.ENV_MAX_MESSAGE: str(self.max_message_bytes),
             "PYTHONUNBUFFERED": "1",
         })
+        # Local ranks talk over loopback only (gloo would otherwise pick the
+        # interface the host name resolves to).
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         pin_env(self.backend, rank, env)
         return env
 
-    def spawn(self, rank: int, incarnation: int = 0) -> RankProcess:
+    def spawn(self, rank: int, incarnation: int, identity: str) -> RankProcess:
         log_path = os.path.join(self.log_dir, f"rank{rank}.{incarnation}.log")
         log = open(log_path, "ab", buffering=0)  # noqa: SIM115 - handed to the child
         try:
             popen = subprocess.Popen(
                 [sys.executable, "-m", "monarch_nb.worker"],
-                env=self.env_for(rank, incarnation),
+                env=self.env_for(rank, incarnation, identity),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -240,10 +240,10 @@ class IOLoop:
                 return
             ident = frames[0].bytes
             try:
-                msg = self.codec.verify(frames[1:])
-                if msg.header.sender.encode() != ident:
-                    raise ProtocolError("sender-mismatch", f"{ident!r} claims {msg.header.sender!r}")
-            except ProtocolError as exc:
+                msg = self.codec.verify(frames[1:], expected_sender=ident.decode("utf-8", "replace"))
+            except Exception as exc:  # never let a message kill the I/O thread
+                if not isinstance(exc, ProtocolError):
+                    exc = ProtocolError("malformed", f"{type(exc).__name__}: {exc}")
                 self.dropped[exc.reason] += 1
                 n = self.dropped[exc.reason]
                 if n == 1 or n % 1000 == 0:  # a flood of forgeries must not flood the log

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import collections
 import ctypes
+import json
 import linecache
 import os
 import signal
@@ -62,7 +63,7 @@ def _set_parent_death_signal() -> None:
 class Worker:
     def __init__(self, env: RankEnv) -> None:
         self.env = env
-        ident = f"r{env.rank}.{env.incarnation}"
+        ident = env.identity  # unguessable: a local process cannot squat it
         self.ctx = zmq.Context()
         self.main_id = f"{ident}.main"
         self.ctl_id = f"{ident}.ctl"
@@ -95,7 +96,8 @@ class Worker:
         signal.signal(signal.SIGINT, self._on_sigint)
         threading.Thread(target=self._control_loop, name="monarch-nb-control", daemon=True).start()
         try:
-            device = init_group(env.backend, env.rank, env.world_size)
+            device = init_group(env.backend, env.rank, env.world_size, env.master_addr,
+                                env.master_port)
         except BaseException as exc:  # report, then die: the controller decides
             text = "".join(traceback.format_exception(exc))
             self._send_main(Kind.FAILED_START, meta={"error": f"{type(exc).__name__}: {exc}", "tb": text})
@@ -122,7 +124,7 @@ class Worker:
         call = msg.header.call
         leftover = self.output.begin(call)
         if leftover:
-            self._send_main(Kind.OUTPUT, call=0, meta={"n": -1, "o": leftover})
+            self._send_main(Kind.OUTPUT, [_json(leftover)], call=0, meta={"n": -1})
         self.running_call = call
         ok, value, error = True, None, None
         try:
@@ -140,8 +142,6 @@ class Worker:
             sys.stdout.flush()
         n_out, tail = self.output.finish()
         meta: dict[str, Any] = {"ok": ok, "n_out": n_out}
-        if tail:
-            meta["o"] = tail
         payload: list[Any] = []
         if ok and value is not None:
             try:
@@ -154,8 +154,21 @@ class Worker:
                     "return something picklable, or keep it on the rank in a variable",
                     "tb": "",
                 }
+            size = sum(memoryview(p).nbytes for p in payload)
+            if size > self.env.max_message_bytes:
+                payload, meta["ok"] = [], False
+                error = {
+                    "type": "SerializationError",
+                    "msg": f"the result is {size} bytes, too large for this mesh's limit "
+                    f"(max_message_bytes={self.env.max_message_bytes}); keep it on the rank, "
+                    "or return a smaller piece",
+                    "tb": "",
+                }
         if not meta["ok"]:
             meta["error"] = error
+        if tail:  # output text travels as a JSON frame, never in the header
+            meta["o"] = 1
+            payload = [_json(tail), *payload]
         self._send_main(Kind.RESULT, payload, call=call, meta=meta)
 
     def _run_cell(self, code: str, name: str) -> Any:
@@ -217,7 +230,7 @@ class Worker:
             chunk = self.output.take_chunk()
             if chunk is not None:
                 call, n, items = chunk
-                self._send_ctl(Kind.OUTPUT, call=call, meta={"n": n, "o": items})
+                self._send_ctl(Kind.OUTPUT, call=call, meta={"n": n}, payload=[_json(items)])
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_S
                 self._send_ctl(Kind.HEARTBEAT, meta={"busy": self.running_call})
@@ -248,8 +261,10 @@ class Worker:
         elif msg.kind == Kind.STACKS:
             self._send_ctl(Kind.STACKS_REPLY, call=msg.header.call, meta={"stacks": self.stacks()})
 
-    def _send_ctl(self, kind: Kind, *, call: int = 0, meta: dict[str, Any] | None = None) -> None:
-        self.ctl_sock.send_multipart(self.ctl_codec.sign(kind, call=call, meta=meta), copy=False)
+    def _send_ctl(self, kind: Kind, *, call: int = 0, meta: dict[str, Any] | None = None,
+                  payload: list[Any] | None = None) -> None:
+        frames = self.ctl_codec.sign(kind, payload or [], call=call, meta=meta)
+        self.ctl_sock.send_multipart(frames, copy=False)
 
     def main_location(self) -> str:
         frame = sys._current_frames().get(self.main_thread_id)
@@ -269,6 +284,10 @@ class Worker:
             except Exception:
                 pass
         os._exit(code)  # skip atexit: torch.distributed teardown can hang on dead peers
+
+
+def _json(items: list[list[str]]) -> bytes:
+    return json.dumps(items, separators=(",", ":")).encode()
 
 
 def describe_frame(frame: Any) -> str:

@@ -1,0 +1,85 @@
+# monarch_nb developer tasks. GNU make.
+#
+#   make demo    run notebooks/01_quickstart.ipynb headless on a local CPU mesh
+#   make test    run the test suite
+#   make lint    ruff + mypy
+#   make bench   benchmarks (installs the `bench` extra first)
+#   make clean   caches and build output (`make distclean` also drops .venv)
+#
+# Everything runs from .venv, created on first use. torch is installed only when
+# the venv cannot import it, so a CUDA / ROCm build you put there yourself is kept.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.monarch-nb-dev.stamp
+BENCH_STAMP := $(VENV)/.monarch-nb-bench.stamp
+NOTEBOOK ?= notebooks/01_quickstart.ipynb
+
+# Which torch to install into a venv that has none. A local CPU wheel wins when
+# one is on disk; otherwise PyTorch's CPU index (plain `torch` from PyPI would pull
+# a multi-GB CUDA build). Override for a GPU box, e.g.
+#  make venv TORCH_SPEC='torch --index-url https://download.pytorch.org/whl/cu124'
+# Only wheels for this Python, and a +cpu build before any other.
+PYTAG := $(shell $(PYTHON) -c 'import sys; print("cp%d%d" % sys.version_info[:2])' 2>/dev/null)
+TORCH_WHEEL := $(firstword $(wildcard /opt/wheels/torch-*+cpu-$(PYTAG)-*.whl) \
+                           $(wildcard /opt/wheels/torch-*-$(PYTAG)-*.whl))
+ifneq ($(TORCH_WHEEL),)
+TORCH_SPEC ?= $(TORCH_WHEEL)
+else
+TORCH_SPEC ?= torch --index-url https://download.pytorch.org/whl/cpu
+endif
+
+.PHONY: help venv test demo bench lint clean distclean
+
+help:
+	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
+
+venv: $(STAMP)
+
+# Re-run only when pyproject.toml changes (or the venv is new).
+$(STAMP): pyproject.toml
+	@test -x $(PY) || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	$(PIP) install --quiet --upgrade pip
+	@if $(PY) -c 'import torch' 2>/dev/null; then \
+		echo "torch $$($(PY) -c 'import torch; print(torch.__version__)') already in $(VENV); keeping it"; \
+	else \
+		echo "installing torch: $(TORCH_SPEC)"; \
+		$(PIP) install $(TORCH_SPEC); \
+	fi
+	$(PIP) install --quiet -e '.[dev]'
+	@touch $@
+
+# pytest exits 5 when it collects nothing; a suite that ran no test is a failure.
+test: venv
+	@$(PY) -m pytest -q tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then \
+		echo "make test: pytest collected no tests (exit 5) - treating as failure" >&2; exit 1; \
+	fi; \
+	exit $$rc
+
+demo: venv
+	$(PY) scripts/run_notebook.py $(NOTEBOOK)
+
+$(BENCH_STAMP): pyproject.toml $(STAMP)
+	$(PIP) install --quiet -e '.[bench]'
+	@touch $@
+
+bench: $(BENCH_STAMP)
+	$(PY) benchmarks/run.py
+
+lint: venv
+	$(PY) -m ruff check monarch_nb
+	$(PY) -m mypy
+
+clean:
+	rm -rf build dist out *.egg-info .pytest_cache .mypy_cache .ruff_cache \
+		notebooks/.ipynb_checkpoints
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -print0 | xargs -0 rm -rf
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,86 @@
+"""Shared fixtures: real meshes, real kernels, and a guard against orphans.
+
+Every test that starts rank processes must stop them; the ``no_orphans``
+session fixture fails the run if any ``monarch_nb.worker`` process outlives
+the tests (a leaked rank is a product bug, not a test nuisance).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import psutil
+import pytest
+
+from monarch_nb import Mesh
+
+
+# Every process this test session starts (ranks, kernels and their ranks)
+# inherits this tag, so the orphan check sees our ranks and nobody else's.
+SESSION_TAG = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+os.environ["MONARCH_NB_TEST_SESSION"] = SESSION_TAG
+
+
+def worker_pids() -> set[int]:
+    """PIDs of the monarch_nb rank processes started by this test session."""
+    out = set()
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = p.info["cmdline"] or []
+            if "monarch_nb.worker" in cmd and p.environ().get("MONARCH_NB_TEST_SESSION") == SESSION_TAG:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    out.add(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.02,
+             what: str = "condition") -> object:
+    """Poll ``predicate`` until it is truthy; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_orphans() -> Iterator[None]:
+    before = worker_pids()
+    yield
+    deadline = time.monotonic() + 10
+    while worker_pids() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    leaked = worker_pids() - before
+    for pid in leaked:  # clean up so the machine is usable, then fail loudly
+        try:
+            psutil.Process(pid).kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert not leaked, f"rank processes outlived the test session: {sorted(leaked)}"
+
+
+@pytest.fixture(scope="module")
+def mesh4() -> Iterator[Mesh]:
+    """A 4-rank CPU mesh shared by the tests of one module (start-up costs
+    seconds: torch is imported by every rank)."""
+    mesh = Mesh.start(n=4, backend="cpu")
+    yield mesh
+    pids = [p.pid for p in mesh._ctl.supervisor.procs.values()]
+    mesh.stop()
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.fixture
+def healthy(mesh4: Mesh) -> Mesh:
+    """``mesh4``, checked to be fully alive (tests that kill ranks use their own mesh)."""
+    assert all(row["state"] in ("ready", "busy") for row in mesh4.status()), mesh4.status()
+    return mesh4

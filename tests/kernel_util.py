@@ -1,0 +1,109 @@
+"""Drive a real IPython kernel through jupyter_client, the way a notebook does.
+
+``KernelSession.run(code)`` executes a cell and collects, for that cell only
+(matched by parent msg_id), its stream output, results, display data and
+error, waiting for the kernel to go idle — never sleeping blindly.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from jupyter_client.manager import KernelManager, start_new_kernel
+
+
+@dataclass
+class CellResult:
+    msg_id: str
+    stdout: str = ""
+    stderr: str = ""
+    results: list[str] = field(default_factory=list)  # text/plain of execute_result
+    displays: list[str] = field(default_factory=list)
+    error: dict[str, Any] | None = None
+    status: str = ""
+
+    @property
+    def traceback(self) -> str:
+        return "\n".join(self.error["traceback"]) if self.error else ""
+
+    @property
+    def text(self) -> str:
+        return self.stdout + self.stderr + "".join(self.results) + "".join(self.displays)
+
+
+class KernelSession:
+    def __init__(self) -> None:
+        self.km: KernelManager
+        self.km, self.kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
+        self.late: dict[str, list[dict[str, Any]]] = {}
+
+    @property
+    def pid(self) -> int:
+        return self.km.provisioner.process.pid  # type: ignore[union-attr]
+
+    def execute(self, code: str) -> str:
+        return self.kc.execute(code, allow_stdin=False)
+
+    def collect(self, msg_id: str, timeout: float = 120.0) -> CellResult:
+        res = CellResult(msg_id)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"cell {msg_id} did not finish in {timeout} s; so far: {res}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=left)
+            except queue.Empty:
+                continue
+            parent = msg["parent_header"].get("msg_id")
+            if parent != msg_id:
+                self.late.setdefault(parent, []).append(msg)
+                continue
+            self._apply(res, msg)
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                reply = self.kc.get_shell_msg(timeout=10)
+                res.status = reply["content"]["status"]
+                return res
+
+    def run(self, code: str, timeout: float = 120.0) -> CellResult:
+        return self.collect(self.execute(code), timeout)
+
+    @staticmethod
+    def _apply(res: CellResult, msg: dict[str, Any]) -> None:
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            if content["name"] == "stdout":
+                res.stdout += content["text"]
+            else:
+                res.stderr += content["text"]
+        elif kind == "execute_result":
+            res.results.append(content["data"].get("text/plain", ""))
+        elif kind in ("display_data", "update_display_data"):
+            res.displays.append(content["data"].get("text/plain", ""))
+        elif kind == "error":
+            res.error = content
+
+    def output_for(self, msg_id: str) -> str:
+        """Stream text that arrived for ``msg_id`` after its cell finished."""
+        text = ""
+        for msg in self.late.get(msg_id, []):
+            if msg["msg_type"] == "stream":
+                text += msg["content"]["text"]
+        return text
+
+    def drain(self, timeout: float = 0.2) -> None:
+        """Move iopub messages that are already queued into ``late``."""
+        while True:
+            try:
+                msg = self.kc.get_iopub_msg(timeout=timeout)
+            except queue.Empty:
+                return
+            self.late.setdefault(msg["parent_header"].get("msg_id"), []).append(msg)
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        if self.km.is_alive():
+            self.km.shutdown_kernel(now=False)
