@@ -106,7 +106,6 @@ class PendingCall:
     chunks_seen: dict[int, int] = field(default_factory=dict)
     held: dict[int, Message] = field(default_factory=dict)  # RESULT waiting for chunks
     where: dict[int, str] = field(default_factory=dict)  # answers to INTERRUPT
-    interrupted: threading.Event = field(default_factory=threading.Event)
 
 
 def _free_port() -> int:
@@ -336,8 +335,6 @@ class Controller:
             call = self.calls.get(msg.header.call)
             if call is not None and msg.meta.get("where"):
                 call.where[info.rank] = str(msg.meta["where"])
-                if set(call.where) >= call.remaining:
-                    call.interrupted.set()
         elif kind == Kind.HELLO:
             info.host = str(msg.meta.get("host", ""))
         elif kind == Kind.READY:
@@ -378,7 +375,7 @@ class Controller:
             for stream, text in _output_items(payload[0]):
                 call.output.feed(info.rank, stream, text)
             payload = payload[1:]
-        if msg.meta.get("ok"):
+        if msg.meta.get("ok", True):
             try:
                 call.results[info.rank] = serialize.loads(payload) if payload else None
             except serialize.SerializationError as exc:

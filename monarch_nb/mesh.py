@@ -324,7 +324,7 @@ def _call_payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     if not callable(fn):
         raise UsageError(f"run() needs a function, got {type(fn).__name__}")
     try:
-        return serialize.dumps((fn, args, kwargs))
+        return serialize.dumps_call(fn, args, kwargs)
     except serialize.SerializationError as exc:
         raise UsageError(str(exc)) from None
 

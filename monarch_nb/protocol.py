@@ -4,7 +4,10 @@ Pure bytes in, bytes out — no sockets, no threads, no unpickling.
 
 A message is a list of frames (after any routing identity)::
 
-    [signature, header, payload_0, payload_1, ...]
+    [signature + header, payload_0, payload_1, ...]
+
+(signature and header share the first frame: one frame fewer per message
+is measurable on the no-op path.)
 
 * ``header`` is a fixed binary part (struct ``HEAD``: protocol version, kind,
   sequence number, call id, sender-id length, number of payload frames), the
@@ -169,7 +172,7 @@ class Codec:
         call: int = 0,
         meta: dict[str, Any] | None = None,
     ) -> list[Buffer]:
-        """Frames ready to send: ``[signature, header, *payload]``."""
+        """Frames ready to send: ``[signature + header, *payload]``."""
         lengths = [memoryview(p).nbytes for p in payload]
         parts = [
             HEAD.pack(VERSION, _CODES[kind], next(self._seq), call, len(self._sender_b), len(lengths)),
@@ -179,7 +182,7 @@ class Codec:
         if meta:
             parts.append(json.dumps(meta, separators=(",", ":")).encode())
         header = b"".join(parts)
-        return [self._digest(header, payload, sum(lengths)), header, *payload]
+        return [self._digest(header, payload, sum(lengths)) + header, *payload]
 
     # -- incoming ---------------------------------------------------------
     def verify(self, frames: Sequence[Any], expected_sender: str | None = None) -> Message:
@@ -192,13 +195,15 @@ class Codec:
         nothing in the payload has been interpreted by then.
         """
         n = len(frames)
-        if n < 2:
-            raise ProtocolError("truncated", f"{n} frame(s)")
+        if n < 1:
+            raise ProtocolError("truncated", "no frame")
         if n > MAX_FRAMES:
             raise ProtocolError("oversized", f"{n} frames")
-        sig = _bytes(frames[0])
-        header = _bytes(frames[1])
-        payload = list(frames[2:])
+        first = _bytes(frames[0])
+        if len(first) < SIGNATURE_BYTES + HEAD.size:
+            raise ProtocolError("truncated", "first frame shorter than signature + header")
+        sig, header = first[:SIGNATURE_BYTES], first[SIGNATURE_BYTES:]
+        payload = list(frames[1:])
         if len(header) > MAX_HEADER_BYTES:
             raise ProtocolError("oversized", "header")
         sizes = tuple(memoryview(p).nbytes for p in payload)

@@ -43,7 +43,7 @@ from .backends import init_group
 from .capture import OutputBuffer, RankStream
 from .config import RankEnv
 from .protocol import Codec, Kind, Message
-from .transport import dealer, recv_verified
+from .transport import dealer, recv_verified, send_frames
 
 HEARTBEAT_S = 0.5
 OUTPUT_FLUSH_S = 0.02
@@ -73,6 +73,7 @@ class Worker:
         self.ctl_sock = dealer(self.ctx, self.ctl_id, env.controller)
         self.dropped: collections.Counter[str] = collections.Counter()
         self.output = OutputBuffer()
+        self.calls = serialize.CallCache()
         self.running_call = 0
         self.interrupt_call = 0
         self.stopping = False
@@ -130,7 +131,7 @@ class Worker:
         try:
             try:
                 if msg.kind == Kind.CALL:
-                    fn, args, kwargs = serialize.loads(msg.payload)
+                    fn, args, kwargs = self.calls.load(msg.payload)
                     value = fn(*args, **kwargs)
                 else:
                     value = self._run_cell(msg.meta["code"], msg.meta.get("name", "<mnb-cell>"))
@@ -141,7 +142,11 @@ class Worker:
         if isinstance(sys.stdout, RankStream):
             sys.stdout.flush()
         n_out, tail = self.output.finish()
-        meta: dict[str, Any] = {"ok": ok, "n_out": n_out}
+        # Defaults (ok, no chunks) are left out: a plain success carries no
+        # JSON at all, which is most of the no-op path.
+        meta: dict[str, Any] = {} if ok else {"ok": False}
+        if n_out:
+            meta["n_out"] = n_out
         payload: list[Any] = []
         if ok and value is not None:
             try:
@@ -164,7 +169,7 @@ class Worker:
                     "or return a smaller piece",
                     "tb": "",
                 }
-        if not meta["ok"]:
+        if meta.get("ok", True) is False:
             meta["error"] = error
         if tail:  # output text travels as a JSON frame, never in the header
             meta["o"] = 1
@@ -203,7 +208,7 @@ class Worker:
     def _send_main(self, kind: Kind, payload: list[Any] | None = None, *, call: int = 0,
                    meta: dict[str, Any] | None = None) -> None:
         frames = self.main_codec.sign(kind, payload or [], call=call, meta=meta)
-        self.main_sock.send_multipart(frames, copy=False)
+        send_frames(self.main_sock, frames)
 
     # -- control thread ------------------------------------------------------------
     def _control_loop(self) -> None:
@@ -264,7 +269,7 @@ class Worker:
     def _send_ctl(self, kind: Kind, *, call: int = 0, meta: dict[str, Any] | None = None,
                   payload: list[Any] | None = None) -> None:
         frames = self.ctl_codec.sign(kind, payload or [], call=call, meta=meta)
-        self.ctl_sock.send_multipart(frames, copy=False)
+        send_frames(self.ctl_sock, frames)
 
     def main_location(self) -> str:
         frame = sys._current_frames().get(self.main_thread_id)
@@ -278,6 +283,9 @@ class Worker:
         return out
 
     def _exit(self, code: int) -> None:
+        hook = getattr(self, "_exit_hook", None)
+        if hook is not None and threading.current_thread() is threading.main_thread():
+            hook()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -317,6 +325,13 @@ def main() -> None:
         os._exit(3)  # the controller died before we could arm the death signal
     worker = Worker(env)
     worker.start()
+    profile_path = os.environ.get("MONARCH_NB_PROFILE")  # developer aid: cProfile the rank
+    if profile_path:
+        import cProfile
+
+        prof = cProfile.Profile()
+        worker._exit_hook = lambda: prof.dump_stats(f"{profile_path}.{env.rank}")  # type: ignore[attr-defined]
+        prof.enable()
     worker.serve()
 
 
