@@ -54,6 +54,9 @@ class MeshConfig:
     bind: controller address; loopback by default. Anything else would need
         CurveZMQ, which the local launcher does not offer yet.
     heartbeat_interval: seconds between controller pings and rank heartbeats.
+    heartbeat_timeout: a rank whose control thread stays silent this long is
+        frozen (SIGSTOP, hung host): it is killed and reported dead. The control
+        thread answers even while user code is stuck, so busy is not silent.
     controller_timeout: a rank that hears nothing from its controller for this
         long exits (the second line of defence after the parent-death signal).
     start_timeout: seconds for every rank to report ready.
@@ -67,6 +70,7 @@ class MeshConfig:
     hosts: tuple[str, ...] = ()
     bind: str = "127.0.0.1"
     heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 3.0
     controller_timeout: float = 10.0
     start_timeout: float = 120.0
     max_message_bytes: int = 4 << 30

@@ -66,6 +66,7 @@ class RankInfo:
     host: str = ""
     last_heartbeat: float = 0.0
     exitcode: int | None = None
+    silent_for: float | None = None  # killed by us for missing heartbeats
     start_error: str = ""
     started_at: float = field(default_factory=time.monotonic)
     ready_at: float | None = None
@@ -429,7 +430,10 @@ class Controller:
         info.exitcode = code
         was_starting = info.state == RankState.STARTING
         info.state = RankState.DEAD
-        self._event(info, "failed_start" if was_starting else "died", self.describe_exit(code))
+        detail = self.describe_exit(code)
+        if info.silent_for is not None:
+            detail = f"no heartbeat for {info.silent_for:.1f} s, killed"
+        self._event(info, "failed_start" if was_starting else "died", detail)
         died = self._died(info)
         for call in list(self.calls.values()):
             if rank in call.remaining:
@@ -448,16 +452,27 @@ class Controller:
     def _died(self, info: RankInfo) -> RankDied:
         return RankDied(info.rank, info.exitcode if (info.exitcode or 0) >= 0 else None,
                         signal_name(info.exitcode), tuple(self.supervisor.tail(info.rank, 8)),
-                        info.incarnation)
+                        info.incarnation, info.silent_for)
 
     def _on_tick(self, now: float) -> float:
         if self.stopped:
             return 0.5
-        for info in self.ranks:  # pidfd-less fallback, and belt and braces
+        for info in self.ranks:
             proc = self.supervisor.procs.get(info.rank)
-            if proc is not None and proc.pidfd is None and info.state != RankState.DEAD:
-                if proc.popen.poll() is not None:
-                    self._on_exit(info.rank)
+            if proc is None or info.state in (RankState.DEAD, RankState.STOPPED):
+                continue
+            if proc.pidfd is None and proc.popen.poll() is not None:  # no pidfd: poll
+                self._on_exit(info.rank)
+                continue
+            silent = now - info.last_heartbeat
+            if (info.state != RankState.STARTING and info.silent_for is None
+                    and silent > self.cfg.heartbeat_timeout):
+                # Frozen: its control thread would answer even if user code
+                # were stuck. Kill it so its exit is reported like any death
+                # (and so survivors blocked in a collective with it get
+                # an error instead of waiting for the group timeout).
+                info.silent_for = silent
+                self.supervisor.signal(info.rank, signal_mod.SIGKILL)
         if now - getattr(self, "_last_ping", 0.0) >= self.cfg.heartbeat_interval:
             self._last_ping = now
             frames = self.codec.sign(Kind.PING)

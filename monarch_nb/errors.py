@@ -91,12 +91,16 @@ class RankDied(MonarchError):
     signal_name: str | None = None
     last_lines: tuple[str, ...] = ()
     incarnation: int = 0
+    silent_for: float | None = None  # set when killed for missing heartbeats
 
     def __post_init__(self) -> None:
         Exception.__init__(self, self.rank, self.exitcode, self.signal_name)
 
     @property
     def cause(self) -> str:
+        if self.silent_for is not None:
+            return (f"no heartbeat for {self.silent_for:.1f} s (frozen or hung host); "
+                    "the controller killed it")
         if self.signal_name:
             return f"killed by {self.signal_name}"
         if self.exitcode is not None:
@@ -104,7 +108,8 @@ class RankDied(MonarchError):
         return "stopped answering"
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (RankDied, (self.rank, self.exitcode, self.signal_name, self.last_lines, self.incarnation))
+        return (RankDied, (self.rank, self.exitcode, self.signal_name, self.last_lines,
+                           self.incarnation, self.silent_for))
 
     def __str__(self) -> str:
         text = f"rank {self.rank} died ({self.cause})"

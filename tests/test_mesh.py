@@ -278,6 +278,24 @@ def test_kill_gives_rank_died_and_membership_changed() -> None:
         assert mesh.ranks("0,2").run(mnb.rank) == {0: 0, 2: 2}
 
 
+def test_frozen_rank_is_detected_by_missing_heartbeats() -> None:
+    with Mesh.start(n=2, backend="cpu", respawn="off", heartbeat_timeout=1.5) as mesh:
+        # rank 0 stays busy longer than the heartbeat timeout: busy is not frozen
+        fut = mesh.exec_async("import time, monarch_nb as mnb\n"
+                              "time.sleep(30 if mnb.rank() == 1 else 4)")
+        wait_for(lambda: mesh.status()[1]["state"] == "busy", what="rank 1 busy")
+        mesh.kill(1, signal="STOP")
+        with pytest.raises(RankErrors) as info:
+            mesh.wait(fut, timeout=20)
+        died = info.value.errors[1]
+        assert isinstance(died, RankDied) and died.silent_for is not None
+        assert "no heartbeat" in str(died)
+        assert info.value.results == {0: None}  # rank 0 finished its 4 s sleep
+        assert mesh.status()[0]["state"] == "ready"
+        detail = [e["detail"] for e in mesh.events if e["kind"] == "died"]
+        assert detail and "no heartbeat" in detail[0]
+
+
 def test_stop_leaves_no_process_and_refuses_calls() -> None:
     before = worker_pids()
     mesh = Mesh.start(n=2, backend="cpu")
