@@ -23,7 +23,7 @@ is measurable on the no-op path.)
 Verification order follows jupyter_client: signature first, then replay check,
 then parse. A message that fails any step raises :class:`ProtocolError` with a
 short reason that the transport counts (``bad-signature``, ``replay``,
-``truncated``, ``malformed``, ``oversized``, ``version``).
+``truncated``, ``malformed``, ``oversized``, ``version``, ``sender-mismatch``).
 
 A payload sent to many ranks is signed once: the same frames (and sequence
 number) go to every recipient; each recipient keeps its own replay window per
@@ -44,7 +44,7 @@ from typing import Any
 
 from .errors import ProtocolError
 
-VERSION = 1
+VERSION = 2  # 2: signature and header share the first frame
 SIGNATURE_BYTES = 32
 MAX_HEADER_BYTES = 64 * 1024
 MAX_FRAMES = 4096

@@ -3,6 +3,9 @@
 Pure bytes: no sockets, no processes. ``forge`` builds header bytes by hand and
 signs them with the *right* key, to reach the checks that run after the
 signature (a buggy or confused key holder, not an outsider).
+
+Wire layout (protocol.py): ``[signature(32 bytes) + header, *payload]``; the
+helpers ``split`` and ``join`` go between that and (signature, header, payload).
 """
 
 from __future__ import annotations
@@ -51,15 +54,29 @@ def raw_header(*, version: int = VERSION, code: int = 0, seq: int = 1, call: int
             + struct.pack(f"!{len(lengths)}Q", *lengths) + meta)
 
 
+MIN_FIRST = SIGNATURE_BYTES + HEAD.size  # shortest first frame that is not "truncated"
+
+
+def join(sig: bytes, header: bytes, payload=()) -> list:
+    """Frames in the wire layout: signature and header share the first frame."""
+    return [bytes(sig) + bytes(header), *payload]
+
+
+def split(frames) -> tuple[bytes, bytes, list]:
+    """(signature, header, payload frames) of a message in the wire layout."""
+    first = bytes(frames[0])
+    return first[:SIGNATURE_BYTES], first[SIGNATURE_BYTES:], list(frames[1:])
+
+
 def forge(header: bytes, payload: list[bytes] = (), key: bytes = KEY) -> list[bytes]:
     """Frames signed with ``key`` over arbitrary header bytes."""
     sig = hmac.new(key, header + b"".join(payload), hashlib.sha256).digest()
-    return [sig, header, *payload]
+    return join(sig, header, payload)
 
 
-def reason_of(codec: Codec, frames) -> str:
+def reason_of(codec: Codec, frames, **kw) -> str:
     with pytest.raises(ProtocolError) as info:
-        codec.verify(frames)
+        codec.verify(frames, **kw)
     return info.value.reason
 
 
@@ -105,8 +122,8 @@ def test_short_key_refused(key):
 
 def test_round_trip_no_payload_no_meta(sender, receiver):
     frames = sender.sign(Kind.PING)
-    assert len(frames) == 2
-    assert len(frames[0]) == SIGNATURE_BYTES
+    assert len(frames) == 1  # signature + header in one frame, no payload frames
+    assert len(frames[0]) == SIGNATURE_BYTES + HEAD.size + len(b"ctl")  # no lengths, no meta
     msg = receiver.verify(frames)
     assert isinstance(msg, Message)
     assert msg.kind is Kind.PING
@@ -120,7 +137,8 @@ def test_round_trip_with_payload_and_meta(sender, receiver):
     payload = [b"fn-pickle", b"", b"\x00" * 100]
     meta = {"code": "print(1)", "name": "<cell>", "setup": True, "nested": {"a": [1, 2.5, None]}}
     frames = sender.sign(Kind.EXEC, payload, call=42, meta=meta)
-    assert len(frames) == 2 + len(payload)
+    assert len(frames) == 1 + len(payload)
+    assert [bytes(f) for f in frames[1:]] == payload  # payload frames travel as they are
     msg = receiver.verify(frames)
     assert msg.kind is Kind.EXEC
     assert msg.header.call == 42
@@ -149,10 +167,12 @@ def test_signature_is_hmac_sha256_over_header_then_payload(sender, receiver, siz
     """Both signing paths (one-shot below SMALL, HMAC object above) agree with
     the documented definition, and verify accepts them."""
     payload = [b"a" * size, b"b" * 7]
-    sig, header, *rest = sender.sign(Kind.CALL, payload, meta={"k": 1})
+    frames = sender.sign(Kind.CALL, payload, meta={"k": 1})
+    sig, header, rest = split(frames)
     expected = hmac.new(KEY, header + b"".join(payload), hashlib.sha256).digest()
     assert sig == expected
-    assert [bytes(p) for p in receiver.verify([sig, header, *rest]).payload] == payload
+    assert bytes(frames[0]) == expected + header  # the signature comes first, then the header
+    assert [bytes(p) for p in receiver.verify(join(sig, header, rest)).payload] == payload
 
 
 @pytest.mark.parametrize("wrap", [bytes, bytearray, memoryview], ids=["bytes", "bytearray", "memoryview"])
@@ -169,7 +189,7 @@ def test_seq_increments_per_message(sender, receiver):
 
 
 def test_header_is_not_pickled(sender):
-    _, header, *_ = sender.sign(Kind.CALL, [b"p"], meta={"a": 1})
+    _, header, _ = split(sender.sign(Kind.CALL, [b"p"], meta={"a": 1}))
     assert not header.startswith(b"\x80")  # no pickle protocol opcode
     version, code, seq, call, slen, n = HEAD.unpack_from(header)
     assert (version, code, seq, call, slen, n) == (VERSION, code_of(Kind.CALL), 1, 0, 3, 1)
@@ -179,12 +199,17 @@ def test_header_is_not_pickled(sender):
 # -- tampering ----------------------------------------------------------------
 
 def _tamper_positions():
-    # (frame index, byte index) over signature, header and two payload frames
+    # (frame index, byte index): first, middle and last byte of the signature
+    # and of the header (both in frame 0), and of each of two payload frames
     frames = Codec(KEY, "ctl").sign(Kind.CALL, [b"first-payload", b"second"], call=7, meta={"m": 1})
+    first = len(frames[0])
     out = []
-    for fi, frame in enumerate(frames):
+    for part, lo, hi in (("sig", 0, SIGNATURE_BYTES), ("header", SIGNATURE_BYTES, first)):
+        for bi in sorted({lo, (lo + hi) // 2, hi - 1}):
+            out.append(pytest.param(0, bi, id=f"{part}-byte{bi}"))
+    for fi, frame in enumerate(frames[1:], start=1):
         for bi in sorted({0, len(frame) // 2, len(frame) - 1}):
-            out.append(pytest.param(fi, bi, id=f"frame{fi}-byte{bi}"))
+            out.append(pytest.param(fi, bi, id=f"payload{fi}-byte{bi}"))
     return out
 
 
@@ -209,7 +234,7 @@ def test_tampered_large_payload(sender, receiver):
     big = bytearray(b"z" * (4 * SMALL))
     frames = sender.sign(Kind.CALL, [bytes(big)])
     big[3 * SMALL] ^= 1
-    assert reason_of(receiver, [frames[0], frames[1], bytes(big)]) == "bad-signature"
+    assert reason_of(receiver, [frames[0], bytes(big)]) == "bad-signature"
 
 
 def test_wrong_key(receiver):
@@ -217,10 +242,29 @@ def test_wrong_key(receiver):
     assert reason_of(receiver, frames) == "bad-signature"
 
 
-@pytest.mark.parametrize("sig", [b"", b"\x00" * 31, b"\x00" * 33, b"\x00" * 32])
-def test_bad_signature_lengths(sender, receiver, sig):
-    _, header = sender.sign(Kind.PING)
-    assert reason_of(receiver, [sig, header]) == "bad-signature"
+@pytest.mark.parametrize("make_sig", [
+    pytest.param(lambda good: b"\x00" * 32, id="zeros"),
+    pytest.param(lambda good: b"\x00" * 31, id="31-zeros"),
+    pytest.param(lambda good: b"\x00" * 33, id="33-zeros"),
+    pytest.param(lambda good: good[:-1], id="good-sig-minus-last-byte"),
+    pytest.param(lambda good: good[1:], id="good-sig-minus-first-byte"),
+    pytest.param(lambda good: good + b"\x00", id="good-sig-plus-one-byte"),
+    pytest.param(lambda good: b"", id="no-sig"),
+])
+def test_bad_signature_lengths(sender, receiver, make_sig):
+    # The signature has no delimiter of its own: a wrong-length one shifts the
+    # header boundary, and the message must still be refused.
+    good, header, _ = split(sender.sign(Kind.PING, meta={"pad": "x" * 40}))
+    assert len(header) >= MIN_FIRST  # so that even "no-sig" is long enough to get to the HMAC
+    assert reason_of(receiver, join(make_sig(good), header)) == "bad-signature"
+
+
+def test_header_without_signature_short_is_truncated(sender, receiver):
+    good, header, _ = split(sender.sign(Kind.PING))
+    assert len(header) < MIN_FIRST
+    assert reason_of(receiver, [header]) == "truncated"
+    assert reason_of(receiver, [good]) == "truncated"  # signature alone
+    assert receiver.verify(join(good, header)).header.seq == 1  # neither attempt used the seq
 
 
 def test_appended_payload_frame_fails_signature(sender, receiver):
@@ -229,23 +273,61 @@ def test_appended_payload_frame_fails_signature(sender, receiver):
 
 
 def test_swapped_payload_frames_fail_signature(sender, receiver):
-    sig, header, a, b = sender.sign(Kind.CALL, [b"aaaa", b"bbbb"])
-    assert reason_of(receiver, [sig, header, b, a]) == "bad-signature"
+    first, a, b = sender.sign(Kind.CALL, [b"aaaa", b"bbbb"])
+    assert reason_of(receiver, [first, b, a]) == "bad-signature"
 
 
 def test_failed_verify_does_not_consume_the_seq(sender, receiver):
     frames = sender.sign(Kind.CALL, [b"p"])
     with pytest.raises(ProtocolError):
-        receiver.verify([frames[0], frames[1], b"q"])
+        receiver.verify([frames[0], b"q"])
     assert receiver.verify(frames).header.seq == 1
 
 
 # -- truncation ---------------------------------------------------------------
 
-@pytest.mark.parametrize("n", [0, 1])
-def test_fewer_than_two_frames(sender, receiver, n):
-    frames = sender.sign(Kind.PING)[:n]
-    assert reason_of(receiver, frames) == "truncated"
+def test_no_frames_is_truncated(receiver):
+    assert reason_of(receiver, []) == "truncated"
+    assert reason_of(receiver, ()) == "truncated"
+
+
+@pytest.mark.parametrize("length", [0, 1, SIGNATURE_BYTES - 1, SIGNATURE_BYTES,
+                                    SIGNATURE_BYTES + 1, MIN_FIRST - 1])
+def test_first_frame_shorter_than_signature_plus_head_is_truncated(receiver, length):
+    assert reason_of(receiver, [b"\x00" * length]) == "truncated"
+    assert reason_of(receiver, [b"\x00" * length, b"payload"]) == "truncated"
+
+
+def test_first_frame_cut_anywhere_is_refused(sender, receiver):
+    frames = sender.sign(Kind.CALL, [b"abc"], call=3, meta={"m": 1})
+    first = bytes(frames[0])
+    for cut in range(len(first)):
+        want = "truncated" if cut < MIN_FIRST else "bad-signature"
+        assert reason_of(receiver, [first[:cut], *frames[1:]]) == want, cut
+    assert receiver.verify(frames).header.seq == 1  # none of that consumed the seq
+
+
+def test_first_frame_of_exactly_minimum_length_is_accepted(receiver):
+    # The bound is tight: signature + bare HEAD (empty sender, no payload, no meta).
+    frames = forge(raw_header(sender=b""))
+    assert len(frames[0]) == MIN_FIRST
+    msg = receiver.verify(frames)
+    assert (msg.header.sender, msg.payload, msg.meta) == ("", [], {})
+
+
+def test_old_layout_is_refused(sender, receiver):
+    # A correctly signed message in the previous layout [signature, header, *payload]
+    # (a peer on the old wire format) is never accepted.
+    sig, header, payload = split(sender.sign(Kind.CALL, [b"p"], meta={"m": 1}))
+    assert reason_of(receiver, [sig, header, *payload]) == "truncated"
+
+
+def test_dropped_first_frame_is_refused(sender, receiver):
+    # Only payload frames left: the first payload frame is read as signature + header.
+    frames = sender.sign(Kind.CALL, [b"x" * 100, b"y" * 5])
+    assert reason_of(receiver, frames[1:]) == "bad-signature"
+    frames = sender.sign(Kind.CALL, [b"x" * 10, b"y" * 5])
+    assert reason_of(receiver, frames[1:]) == "truncated"
 
 
 def test_dropped_payload_frame_fails_signature(sender, receiver):
@@ -263,14 +345,32 @@ def test_dropped_empty_payload_frame_is_truncated(sender, receiver):
 def test_moved_frame_boundary_is_truncated(sender, receiver):
     # Same concatenated bytes (valid HMAC) split differently: the signed
     # lengths in the header reject it.
-    sig, header, a, b = sender.sign(Kind.CALL, [b"aaaa", b"bbbb"])
-    assert reason_of(receiver, [sig, header, a + b[:2], b[2:]]) == "truncated"
-    assert reason_of(receiver, [sig, header, a + b]) == "truncated"
+    first, a, b = sender.sign(Kind.CALL, [b"aaaa", b"bbbb"])
+    assert reason_of(receiver, [first, a + b[:2], b[2:]]) == "truncated"
+    assert reason_of(receiver, [first, a + b]) == "truncated"
+    assert receiver.verify([first, a, b]).header.seq == 1  # none of that consumed the seq
+
+
+def test_moved_header_payload_boundary_is_refused(sender, receiver):
+    # Signature + header and the first payload frame: moving bytes between them
+    # keeps the HMAC input (header then payload) identical; the header must
+    # then fail to parse or disagree with the frames.
+    first, a, b = sender.sign(Kind.CALL, [b'{}aaaa', b"bbbb"])  # payload that is a JSON object
+    # payload bytes moved into the header (the header had no meta: it now "has" {})
+    assert reason_of(receiver, [first + a[:2], a[2:], b]) == "truncated"
+    assert reason_of(receiver, [first + a[:1], a[1:], b]) == "malformed"
+    assert reason_of(receiver, [first + a, b]) == "malformed"
+    # header bytes moved into the payload (the lengths are cut short)
+    assert reason_of(receiver, [first[:-1], first[-1:] + a, b]) == "malformed"
+    assert reason_of(receiver, [first[:-16], first[-16:] + a, b]) == "malformed"
+    first, a = sender.sign(Kind.CALL, [b"aaaa"], meta={"m": 1})
+    assert reason_of(receiver, [first[:-1], first[-1:] + a]) == "malformed"
+    assert reason_of(receiver, [first[:-7], first[-7:] + a]) == "truncated"  # whole meta moved
 
 
 def test_shortened_payload_frame_fails_signature(sender, receiver):
-    sig, header, a = sender.sign(Kind.CALL, [b"aaaa"])
-    assert reason_of(receiver, [sig, header, a[:-1]]) == "bad-signature"
+    first, a = sender.sign(Kind.CALL, [b"aaaa"])
+    assert reason_of(receiver, [first, a[:-1]]) == "bad-signature"
 
 
 @pytest.mark.parametrize("claimed,actual", [
@@ -302,6 +402,11 @@ def test_header_too_large(receiver):
     header = raw_header(meta=json.dumps({"pad": "x" * MAX_HEADER_BYTES}).encode())
     assert len(header) > MAX_HEADER_BYTES
     assert reason_of(receiver, forge(header)) == "oversized"
+    # by one byte
+    base = raw_header(meta=b'{"pad":""}')
+    header = raw_header(meta=b'{"pad":"' + b"x" * (MAX_HEADER_BYTES - len(base) + 1) + b'"}')
+    assert len(header) == MAX_HEADER_BYTES + 1
+    assert reason_of(receiver, forge(header)) == "oversized"
 
 
 def test_header_at_limit_is_accepted(receiver):
@@ -313,10 +418,11 @@ def test_header_at_limit_is_accepted(receiver):
 
 
 def test_too_many_frames(sender, receiver):
-    ok = sender.sign(Kind.CALL, [b""] * (MAX_FRAMES - 2))
+    ok = sender.sign(Kind.CALL, [b""] * (MAX_FRAMES - 1))
     assert len(ok) == MAX_FRAMES
-    assert len(receiver.verify(ok).payload) == MAX_FRAMES - 2
-    too_many = sender.sign(Kind.CALL, [b""] * (MAX_FRAMES - 1))
+    assert len(receiver.verify(ok).payload) == MAX_FRAMES - 1
+    too_many = sender.sign(Kind.CALL, [b""] * MAX_FRAMES)
+    assert len(too_many) == MAX_FRAMES + 1
     assert reason_of(receiver, too_many) == "oversized"
 
 
@@ -324,7 +430,17 @@ def test_too_many_frames(sender, receiver):
 
 @pytest.mark.parametrize("header", [
     pytest.param(b"", id="empty"),
+    pytest.param(b"\x01\x02", id="two-bytes"),
     pytest.param(HEAD.pack(VERSION, 0, 1, 0, 3, 0)[:-1], id="short-struct"),
+])
+def test_signed_header_shorter_than_head_is_truncated(receiver, header):
+    # Validly signed, but signature + header is shorter than SIGNATURE_BYTES + HEAD.size.
+    assert reason_of(receiver, forge(header)) == "truncated"
+
+
+@pytest.mark.parametrize("header", [
+    pytest.param(HEAD.pack(VERSION, 0, 1, 0, 3, 0), id="sender-missing"),
+    pytest.param(HEAD.pack(VERSION, 0, 1, 0, 3, 0) + b"ct", id="sender-cut-short"),
     pytest.param(raw_header(meta=b"\x00garbage\xff"), id="garbage-after-struct"),
     pytest.param(raw_header(meta=b"not json"), id="non-json-meta"),
     pytest.param(raw_header(meta=b"[1, 2]"), id="list-meta"),
@@ -422,6 +538,58 @@ def test_sign_once_send_to_many(sender):
         assert reason_of(r, frames) == "replay"
 
 
+# -- sender mismatch ----------------------------------------------------------
+
+def test_expected_sender_matching_is_accepted(sender, receiver):
+    msg = receiver.verify(sender.sign(Kind.PING), expected_sender="ctl")
+    assert msg.header.sender == "ctl"
+
+
+@pytest.mark.parametrize("claimed", ["rank0", "ctl ", "CTL", "", "ct"])
+def test_signed_sender_must_equal_expected_sender(sender, receiver, claimed):
+    with pytest.raises(ProtocolError) as info:
+        receiver.verify(sender.sign(Kind.PING), expected_sender=claimed)
+    assert info.value.reason == "sender-mismatch"
+    assert "ctl" in str(info.value)
+
+
+def test_sender_mismatch_does_not_touch_the_replay_window(receiver):
+    """A key holder on another socket signs as "rank1" with a huge seq: refused
+    before the window, so rank1's own messages still get through."""
+    forger = Codec(KEY, "rank1")
+    forger._seq = iter([2**62])
+    forged = forger.sign(Kind.HEARTBEAT)
+    assert reason_of(receiver, forged, expected_sender="x2") == "sender-mismatch"
+    assert "rank1" not in receiver._windows
+    genuine = Codec(KEY, "rank1")
+    assert receiver.verify(genuine.sign(Kind.HEARTBEAT), expected_sender="rank1").header.seq == 1
+    # The forged frames were not consumed either: from the right identity they verify once.
+    assert receiver.verify(forged, expected_sender="rank1").header.seq == 2**62
+
+
+def test_sender_mismatch_does_not_consume_the_seq(sender, receiver):
+    frames = sender.sign(Kind.CALL, [b"p"])
+    assert reason_of(receiver, frames, expected_sender="other") == "sender-mismatch"
+    assert receiver.verify(frames, expected_sender="ctl").header.seq == 1
+    assert reason_of(receiver, frames, expected_sender="ctl") == "replay"
+
+
+def test_sender_mismatch_is_checked_before_replay(sender, receiver):
+    frames = sender.sign(Kind.PING)
+    receiver.verify(frames, expected_sender="ctl")
+    assert reason_of(receiver, frames, expected_sender="rank9") == "sender-mismatch"
+    assert reason_of(receiver, frames, expected_sender="ctl") == "replay"
+
+
+def test_signature_and_framing_are_checked_before_sender(receiver):
+    wrong_key = Codec(OTHER_KEY, "ctl").sign(Kind.PING)
+    assert reason_of(receiver, wrong_key, expected_sender="rank9") == "bad-signature"
+    assert reason_of(receiver, [], expected_sender="rank9") == "truncated"
+    assert reason_of(receiver, forge(raw_header(lengths=(3,)), [b"ab"]), expected_sender="x") == "truncated"
+    assert reason_of(receiver, forge(raw_header(meta=b"[]")), expected_sender="x") == "malformed"
+    assert reason_of(receiver, forge(raw_header(version=0)), expected_sender="x") == "version"
+
+
 @pytest.mark.parametrize("frames_fn,reason", [
     (lambda s: [], "truncated"),
     (lambda s: Codec(OTHER_KEY, "ctl").sign(Kind.PING), "bad-signature"),
@@ -429,7 +597,8 @@ def test_sign_once_send_to_many(sender):
     (lambda s: forge(raw_header(version=VERSION + 1)), "version"),
     (lambda s: forge(raw_header(lengths=(3,)), [b"ab"]), "truncated"),
     (lambda s: forge(raw_header(meta=b'{"p":"' + b"x" * MAX_HEADER_BYTES + b'"}')), "oversized"),
-    (lambda s: [b"\x00" * 32, b"h"] + [b""] * MAX_FRAMES, "oversized"),
+    (lambda s: [b"\x00" * 32 + b"h" * 64] + [b""] * MAX_FRAMES, "oversized"),
+    (lambda s: [b"\x00" * (SIGNATURE_BYTES + HEAD.size - 1)], "truncated"),
 ])
 def test_every_reason_is_documented(sender, receiver, frames_fn, reason):
     got = reason_of(receiver, frames_fn(sender))
@@ -484,7 +653,7 @@ def test_verify_never_unpickles_and_returns_payload_untouched(sender, receiver, 
     frames = sender.sign(Kind.CALL, [evil])
     msg = receiver.verify(frames)
     assert not marker.exists()
-    assert msg.payload[0] is frames[2]  # the very frame, not a copy or a decoding
+    assert msg.payload[0] is frames[1]  # the very frame, not a copy or a decoding
     monkeypatch.undo()
     # The payload really is dangerous: this is what verify never did.
     assert pickle.loads(msg.payload[0]) == str(marker)
@@ -494,14 +663,14 @@ def test_verify_never_unpickles_and_returns_payload_untouched(sender, receiver, 
 @pytest.mark.parametrize("mutate", ["header", "payload", "signature"])
 def test_tampered_evil_payload_never_unpickled(sender, receiver, evil_payload, mutate):
     marker, evil = evil_payload
-    sig, header, payload = sender.sign(Kind.CALL, [evil])
+    sig, header, (payload,) = split(sender.sign(Kind.CALL, [evil]))
     if mutate == "header":
         header = header[:-1] + bytes([header[-1] ^ 1])
     elif mutate == "payload":
         payload = payload + b"."
     else:
         sig = bytes(32)
-    assert reason_of(receiver, [sig, header, payload]) == "bad-signature"
+    assert reason_of(receiver, join(sig, header, [payload])) == "bad-signature"
     assert not marker.exists()
 
 

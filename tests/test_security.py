@@ -3,7 +3,8 @@
 DESIGN.md, architecture rules 3 (trust) and 7 (bad input is dropped and
 counted, never executed). An "attacker" here is a zmq DEALER that connects to
 the controller's ROUTER endpoint like a rank does, with an identity of its
-choice, and sends frames ``[signature, header, *payload]`` (protocol.py).
+choice, and sends frames ``[signature + header, *payload]`` (protocol.py: the
+32-byte signature and the header share the first frame).
 Some tests use the real mesh key to play a compromised-but-buggy key holder.
 
 Nothing is mocked: the shared ``mesh4`` fixture is a real 4-rank CPU mesh.
@@ -34,11 +35,20 @@ from zmq.utils.monitor import recv_monitor_message
 
 from monarch_nb import Mesh, serialize
 from monarch_nb.errors import RankErrors, UsageError
-from monarch_nb.protocol import HEAD, MAX_FRAMES, MAX_HEADER_BYTES, VERSION, Codec, Kind
+from monarch_nb.protocol import (
+    HEAD,
+    MAX_FRAMES,
+    MAX_HEADER_BYTES,
+    SIGNATURE_BYTES,
+    VERSION,
+    Codec,
+    Kind,
+)
 
 from .conftest import wait_for, worker_pids
 
 _KIND_CODE = {k: i for i, k in enumerate(Kind)}
+_MIN_FIRST = SIGNATURE_BYTES + HEAD.size  # a shorter first frame is "truncated"
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -92,11 +102,12 @@ def _header(sender: bytes, *, kind: int = _KIND_CODE[Kind.HEARTBEAT], seq: int =
 
 
 def _sign(key: bytes, header: bytes, payload: tuple[bytes, ...] | list[bytes] = ()) -> list[bytes]:
-    """Frames signed as the spec says: HMAC-SHA256 over header then every payload frame."""
+    """Frames signed as the spec says: HMAC-SHA256 over header then every payload
+    frame, the signature then the header in the first frame."""
     h = hmac.new(key, header, hashlib.sha256)
     for p in payload:
         h.update(p)
-    return [h.digest(), header, *payload]
+    return [h.digest() + header, *payload]
 
 
 class _Evil:
@@ -154,13 +165,15 @@ def _throwaway_mesh(**options: Any) -> Iterator[Mesh]:
 def test_unsigned_garbage_is_dropped_and_counted(mesh4: Mesh, attacker: Any) -> None:
     before = mesh4.dropped
     s = attacker("garbage.0.main", mesh4._ctl.io.endpoint)
-    s.send_multipart([os.urandom(100)])                       # 1 frame -> truncated
-    s.send_multipart([b""])                                   # 1 empty frame -> truncated
-    s.send_multipart([os.urandom(32), os.urandom(64)])        # 2 random frames -> bad-signature
-    s.send_multipart([b"short", os.urandom(40), os.urandom(3000)])  # wrong-size signature
-    s.send_multipart([os.urandom(32)] + [os.urandom(17) for _ in range(20)])
-    delta = _wait_dropped(mesh4, before, 5)
-    assert delta == {"truncated": 2, "bad-signature": 3}
+    s.send_multipart([b""])                                          # 1 empty frame -> truncated
+    s.send_multipart([os.urandom(_MIN_FIRST - 1)])                   # too short for sig + head
+    s.send_multipart([os.urandom(32), os.urandom(64)])               # old layout -> truncated
+    s.send_multipart([b"short", os.urandom(40), os.urandom(3000)])   # short first frame
+    s.send_multipart([os.urandom(100)])                              # 1 frame -> bad-signature
+    s.send_multipart([os.urandom(32 + 64), os.urandom(3000)])        # 2 random frames -> bad-signature
+    s.send_multipart([os.urandom(32 + 40)] + [os.urandom(17) for _ in range(20)])
+    delta = _wait_dropped(mesh4, before, 7)
+    assert delta == {"truncated": 4, "bad-signature": 3}
     _assert_alive(mesh4)
 
 
@@ -193,8 +206,12 @@ def test_key_holder_with_unknown_identity_cannot_inject_a_result(
     fut = mesh4.run_async(slow)
     before = mesh4.dropped
     forger = Codec(mesh4._ctl.key, "ghost.0.main")
-    attacker("ghost.0.main", mesh4._ctl.io.endpoint).send_multipart(
+    ghost = attacker("ghost.0.main", mesh4._ctl.io.endpoint)
+    ghost.send_multipart(
         forger.sign(Kind.RESULT, payload, call=fut.call_id, meta={"ok": True, "n_out": 0}))
+    # Ranks now leave the defaults (ok, no output chunks) out of a RESULT's meta:
+    # the same forgery in that form.
+    ghost.send_multipart(forger.sign(Kind.RESULT, payload, call=fut.call_id))
     assert mesh4.wait(fut, timeout=60) == {r: "real" for r in range(4)}
     _assert_alive(mesh4)
     assert not marker.exists(), "a RESULT from an unknown socket was unpickled"
@@ -249,20 +266,26 @@ def test_signed_message_with_a_frame_removed_is_dropped(mesh4: Mesh, attacker: A
     s = attacker("x5.0.main", mesh4._ctl.io.endpoint)
     before = mesh4.dropped
     frames = codec.sign(Kind.RESULT, [b"a" * 10, b"b" * 20], call=1, meta={"ok": True})
+    first = bytes(frames[0])
     s.send_multipart(frames[:-1])  # last payload frame removed
-    s.send_multipart(frames[:2])   # every payload frame removed
+    s.send_multipart(frames[:1])   # every payload frame removed
     big = codec.sign(Kind.RESULT, [b"a" * 40_000, b"b" * 40_000], call=1)  # HMAC-object path
     s.send_multipart(big[:-1])
-    s.send_multipart(frames[:1])   # the signature alone
-    delta = _wait_dropped(mesh4, before, 4)
-    assert delta.get("truncated", 0) >= 1  # the lone signature
-    assert set(delta) <= {"bad-signature", "truncated"} and sum(delta.values()) == 4, delta
-    # Moving bytes across a frame boundary keeps the HMAC input identical; the
-    # signed lengths in the header catch it.
-    sig, header, p0, p1 = codec.sign(Kind.RESULT, [b"a" * 10, b"b" * 20], call=1)
-    s.send_multipart([sig, header, p0 + p1[:5], p1[5:]])
-    delta = _wait_dropped(mesh4, before, 5)
-    assert delta.get("truncated", 0) >= 2, delta
+    s.send_multipart([first[:SIGNATURE_BYTES]])                   # the signature alone
+    s.send_multipart([first[:SIGNATURE_BYTES], first[SIGNATURE_BYTES:], *frames[1:]])  # old layout
+    s.send_multipart([first[:_MIN_FIRST - 1]])                    # first frame cut inside HEAD
+    s.send_multipart([first[:-1], *frames[1:]])                   # first frame lost its last byte
+    s.send_multipart([first[SIGNATURE_BYTES:], *frames[1:]])      # header without signature
+    delta = _wait_dropped(mesh4, before, 8)
+    assert delta == {"bad-signature": 5, "truncated": 3}, delta
+    # Moving bytes across a payload frame boundary keeps the HMAC input
+    # identical; the signed lengths in the header catch it.
+    first, p0, p1 = codec.sign(Kind.RESULT, [b"a" * 10, b"b" * 20], call=1)
+    s.send_multipart([first, p0 + p1[:5], p1[5:]])
+    # So does moving bytes from the first payload frame into the header frame.
+    s.send_multipart([first + p0, p1])
+    delta = _wait_dropped(mesh4, before, 10)
+    assert delta == {"bad-signature": 5, "truncated": 4, "malformed": 1}, delta
     _assert_alive(mesh4)
 
 
@@ -307,9 +330,9 @@ def test_oversized_messages_are_dropped(mesh1_1mib: Mesh, attacker: Any, zctx: z
     # codec counts them, before even looking at the signature.
     before = mesh.dropped
     s2 = attacker("big.1.main", ep)
-    s2.send_multipart([os.urandom(32), b"h" * 64, b"\0" * (600 << 10), b"\0" * (600 << 10)])
-    s2.send_multipart([os.urandom(32), b"h" * (MAX_HEADER_BYTES + 1)])   # header too big
-    s2.send_multipart([os.urandom(32)] + [b"x"] * MAX_FRAMES)            # too many frames
+    s2.send_multipart([os.urandom(32) + b"h" * 64, b"\0" * (600 << 10), b"\0" * (600 << 10)])
+    s2.send_multipart([os.urandom(32) + b"h" * (MAX_HEADER_BYTES + 1)])  # header too big
+    s2.send_multipart([os.urandom(32) + b"h" * 64] + [b"x"] * MAX_FRAMES)  # too many frames
     assert _wait_dropped(mesh, before, 3) == {"oversized": 3}
 
     _assert_alive(mesh)
@@ -338,7 +361,8 @@ def test_signed_but_malformed_headers_are_dropped(mesh4: Mesh, attacker: Any) ->
         ("malformed", _sign(key, _header(sender, kind=200))),                 # unknown kind
         ("malformed", _sign(key, HEAD.pack(VERSION, 0, 1, 0, 3, 0) + b"\xff\xfe\xfd")),  # sender
         ("malformed", _sign(key, _header(sender, nframes=3))),                # lengths missing
-        ("malformed", _sign(key, b"\x01\x02")),                               # shorter than HEAD
+        ("truncated", _sign(key, b"\x01\x02")),                               # shorter than HEAD
+        ("truncated", _sign(key, _header(sender)[:HEAD.size - 1])),            # by one byte
         ("truncated", _sign(key, _header(sender, lengths=(5,)), [b"1234"])),  # lengths disagree
         ("truncated", _sign(key, _header(sender, lengths=()), [b""])),        # extra empty frame
     ]
