@@ -80,7 +80,7 @@ class OutputBuffer:
             items, self._items, self._pending = _joined(self._items), [], 0
             if self._dropped:
                 items.append(
-                    ["stderr", f"\n[monarch_nb: {self._dropped} more characters of output not "
+                    ["stderr", f"[monarch_nb: {self._dropped} more characters of output not "
                                "shown; see %monarch logs]\n"]
                 )
             n = self.chunks

@@ -106,7 +106,6 @@ class PendingCall:
     errors: dict[int, BaseException] = field(default_factory=dict)
     chunks_seen: dict[int, int] = field(default_factory=dict)
     held: dict[int, Message] = field(default_factory=dict)  # RESULT waiting for chunks
-    where: dict[int, str] = field(default_factory=dict)  # answers to INTERRUPT
 
 
 def _free_port() -> int:
@@ -145,6 +144,7 @@ class Controller:
         self.ranks = [RankInfo(r) for r in range(world_size)]
         self.events: list[Event] = []
         self.calls: dict[int, PendingCall] = {}
+        self.interrupt_where: dict[int, dict[int, str]] = {}
         self._call_ids = itertools.count(1)
         self._by_ident: dict[bytes, RankInfo] = {}
         self._state_changed = threading.Condition()
@@ -252,11 +252,15 @@ class Controller:
 
     def call(self, kind: Kind, ranks: tuple[int, ...], payload: list[Any],
              meta: dict[str, Any] | None, output: CallOutput,
-             timeout: float | None = None) -> MeshFuture:
+             timeout: float | None = None,
+             on_future: Callable[[MeshFuture], None] | None = None) -> MeshFuture:
         """Start a call and wait up to ``timeout`` for it, leading the I/O
         loop meanwhile (see IOLoop.leadership). Returns the future, done
-        unless the timeout expired."""
+        unless the timeout expired. ``on_future`` receives the future before
+        any waiting, so a Ctrl-C during the wait knows which call it hit."""
         future, go = self._prepare(kind, ranks, payload, meta, output)
+        if on_future is not None:
+            on_future(future)
         with self.io.leadership():
             go()
             self._lead_until(future, timeout)
@@ -267,6 +271,11 @@ class Controller:
         with self.io.leadership():
             self._lead_until(future, timeout)
         return future.done()
+
+    def pump(self, seconds: float) -> None:
+        """Run the I/O loop on this thread for up to ``seconds``."""
+        with self.io.leadership():
+            self.io.run_once(seconds)
 
     def _lead_until(self, future: MeshFuture, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -307,12 +316,16 @@ class Controller:
         return future, go
 
     def interrupt(self, call_id: int) -> None:
-        """Interrupt the ranks still running ``call_id`` (thread-safe)."""
+        """Interrupt the ranks still running ``call_id`` (thread-safe); their
+        answers (where each one was) collect in ``interrupt_where[call_id]``."""
 
         def go() -> None:
             call = self.calls.get(call_id)
             if call is None:
                 return
+            self.interrupt_where.setdefault(call_id, {})
+            while len(self.interrupt_where) > 64:
+                self.interrupt_where.pop(next(iter(self.interrupt_where)))
             frames = self.codec.sign(Kind.INTERRUPT, call=call_id)
             for r in call.remaining:
                 self.io.send(self.ranks[r].ctl_id, frames)
@@ -333,9 +346,11 @@ class Controller:
         elif kind == Kind.HEARTBEAT:
             pass
         elif kind == Kind.INTERRUPTED:
-            call = self.calls.get(msg.header.call)
-            if call is not None and msg.meta.get("where"):
-                call.where[info.rank] = str(msg.meta["where"])
+            # Kept even after the call finished: the answer travels on the
+            # control socket and may overtake or trail the RESULT.
+            where = self.interrupt_where.get(msg.header.call)
+            if where is not None:
+                where[info.rank] = str(msg.meta.get("where", ""))
         elif kind == Kind.HELLO:
             info.host = str(msg.meta.get("host", ""))
         elif kind == Kind.READY:

@@ -277,18 +277,17 @@ class Mesh(_RankSet):
         waiting policy: timeout -> interrupt + CallTimeout; Ctrl-C ->
         interrupt the ranks, let them settle, re-raise."""
         ctl = self._live()
-        fut: MeshFuture | None = None
+        issued: list[MeshFuture] = []
         try:
-            fut = ctl.call(kind, ranks, payload, meta, CallOutput(), timeout)
+            fut = ctl.call(kind, ranks, payload, meta, CallOutput(), timeout,
+                           on_future=issued.append)
             if not fut.done():
                 where = self._interrupt_and_settle(fut)
                 raise CallTimeout(timeout or 0.0, where)
             return fut.result()
         except KeyboardInterrupt:
-            if fut is None:  # interrupted before the call object was returned
-                fut = next((c.future for c in list(ctl.calls.values())), None)
-            if fut is not None:
-                self._interrupt_and_settle(fut)
+            if issued:  # interrupt this call, never some other one
+                self._interrupt_and_settle(issued[0])
             raise
 
     def wait(self, future: MeshFuture, timeout: float | None = None) -> RankResults:
@@ -305,15 +304,27 @@ class Mesh(_RankSet):
     def _interrupt_and_settle(self, fut: MeshFuture) -> dict[int, str]:
         """Interrupt the ranks still in ``fut``'s call and give them a moment
         to come back; returns where each of them was."""
-        call = self._ctl.calls.get(fut.call_id)
-        self._ctl.interrupt(fut.call_id)
-        self._ctl.wait(fut, INTERRUPT_GRACE_S)
+        ctl = self._ctl
+        call = ctl.calls.get(fut.call_id)
         if call is None:
             return {}
-        where = dict(call.where)
-        for r in fut.ranks:
-            if r in call.remaining and r not in where:
-                where[r] = "unknown (did not answer the interrupt)"
+        targets = set(call.remaining)  # snapshot: these are the ranks interrupted
+        ctl.interrupt(fut.call_id)
+        ctl.wait(fut, INTERRUPT_GRACE_S)
+        answers = ctl.interrupt_where.get(fut.call_id, {})
+        # The answers travel apart from the results: give late ones a moment.
+        late = time.monotonic() + 1.0
+        while not targets <= set(answers) and time.monotonic() < late:
+            ctl.pump(0.05)
+        where = {}
+        for r in sorted(targets):
+            w = answers.get(r)
+            if w is None:
+                w = "unknown (did not answer the interrupt)"
+            elif not w:
+                w = "finished before the interrupt arrived"
+            where[r] = w
+        ctl.interrupt_where.pop(fut.call_id, None)
         return where
 
 

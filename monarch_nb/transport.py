@@ -45,6 +45,7 @@ MessageHandler = Callable[[bytes, Message], None]
 # long before taking them: a loop of calls then never pays for waking it, and
 # heartbeats or output are at most this late.
 LINGER_S = 0.005
+BUSY_RETRY_S = 0.02
 
 
 class IOLoop:
@@ -210,14 +211,18 @@ class IOLoop:
             # sockets the moment a caller lets go, and the caller's next call
             # would have to wake it again.
             if not lead.acquire(blocking=False):
-                time.sleep(LINGER_S)
+                # a caller leads (and runs the loop itself): check back rarely
+                time.sleep(BUSY_RETRY_S)
                 continue
             if time.monotonic() - self._released_at < LINGER_S:
                 lead.release()
                 continue
             try:
                 while not self._stopping and not self._want:
-                    self.run_once(1.0)
+                    try:
+                        self.run_once(1.0)
+                    except Exception:  # a dead I/O thread is a hung notebook
+                        log.exception("monarch_nb I/O loop turn failed")
                     if self._released_at > time.monotonic() - LINGER_S:
                         break
             finally:
@@ -238,7 +243,7 @@ class IOLoop:
                 frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            ident = frames[0].bytes
+            ident = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
             try:
                 msg = self.codec.verify(frames[1:], expected_sender=ident.decode("utf-8", "replace"))
             except Exception as exc:  # never let a message kill the I/O thread

@@ -76,6 +76,10 @@ class Worker:
         self.calls = serialize.CallCache()
         self.running_call = 0
         self.interrupt_call = 0
+        # Interrupts that arrived before their call started (queued behind
+        # another call, or overtaking it on the other socket), and calls done.
+        self.cancelled: set[int] = set()
+        self.finished: collections.deque[int] = collections.deque(maxlen=4096)
         self.stopping = False
         self.main_thread_id = threading.get_ident()
         self.last_ping = time.monotonic()
@@ -130,12 +134,16 @@ class Worker:
         ok, value, error = True, None, None
         try:
             try:
+                if call in self.cancelled:
+                    self.cancelled.discard(call)
+                    raise KeyboardInterrupt("interrupted before it started")
                 if msg.kind == Kind.CALL:
                     fn, args, kwargs = self.calls.load(msg.payload)
                     value = fn(*args, **kwargs)
                 else:
                     value = self._run_cell(msg.meta["code"], msg.meta.get("name", "<mnb-cell>"))
             finally:
+                self.finished.append(call)  # before running_call drops: see _control
                 self.running_call = 0
         except BaseException as exc:  # the rank survives whatever the user code does
             ok, error = False, self._describe(exc)
@@ -254,6 +262,9 @@ class Worker:
                 where = self.main_location()
                 self.interrupt_call = self.running_call
                 signal.pthread_kill(self.main_thread_id, signal.SIGINT)
+            elif call and call not in self.finished:
+                self.cancelled.add(call)  # not started yet: it will not run
+                where = "queued, not started (cancelled)"
             self._send_ctl(Kind.INTERRUPTED, call=call, meta={"where": where})
         elif msg.kind == Kind.STOP:
             self.stopping = True

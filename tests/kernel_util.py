@@ -64,9 +64,11 @@ class KernelSession:
                 continue
             self._apply(res, msg)
             if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-                reply = self.kc.get_shell_msg(timeout=10)
-                res.status = reply["content"]["status"]
-                return res
+                while True:  # skip replies to other requests (kernel_info polls)
+                    reply = self.kc.get_shell_msg(timeout=10)
+                    if reply["parent_header"].get("msg_id") == msg_id:
+                        res.status = reply["content"]["status"]
+                        return res
 
     def run(self, code: str, timeout: float = 120.0) -> CellResult:
         return self.collect(self.execute(code), timeout)
