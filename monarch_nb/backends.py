@@ -45,7 +45,7 @@ def torch_build() -> dict[str, Any]:
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
         raise UsageError("torch is not installed in this environment: pip install torch")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "version.py")
     ns: dict[str, Any] = {}
     try:
         with open(path, encoding="utf-8") as f:

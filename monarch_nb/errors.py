@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-
+from typing import Any
 
 
 class MonarchError(Exception):
@@ -78,7 +78,7 @@ class RemoteError(MonarchError):
     def __str__(self) -> str:
         return f"rank {self.rank}: {self.type_name}: {self.message}"
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self) -> tuple[Any, ...]:
         return (RemoteError, (self.rank, self.type_name, self.message, self.traceback_text))
 
 
@@ -107,7 +107,7 @@ class RankDied(MonarchError):
             return f"exited with code {self.exitcode}"
         return "stopped answering"
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self) -> tuple[Any, ...]:
         return (RankDied, (self.rank, self.exitcode, self.signal_name, self.last_lines,
                            self.incarnation, self.silent_for))
 
@@ -134,7 +134,7 @@ class MembershipChanged(MonarchError):
             msg += f": {detail}"
         super().__init__(msg)
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self) -> tuple[Any, ...]:
         return (MembershipChanged, (self.rank, self.dead, self.detail))
 
 
@@ -151,7 +151,7 @@ class CallTimeout(MonarchError):
             lines.append(f"  rank {rank} was at {self.where[rank]}")
         super().__init__("\n".join(lines))
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self) -> tuple[Any, ...]:
         return (CallTimeout, (self.timeout, self.where))
 
 
@@ -210,7 +210,7 @@ class RankErrors(MonarchError):
     def __str__(self) -> str:
         return "\n".join(self.render_lines())
 
-    def __reduce__(self):  # keep picklable (used by pytest-xdist, multiprocessing)
+    def __reduce__(self) -> tuple[Any, ...]:  # keep picklable (multiprocessing, xdist)
         return (RankErrors, (self.errors, self.results, self.total))
 
 

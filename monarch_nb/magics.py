@@ -17,7 +17,7 @@ from typing import Any
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from .errors import MeshNotRunning, MonarchError, UsageError
+from .errors import MeshNotRunning, UsageError
 from .futures import MeshFuture
 from .mesh import Mesh, RankResults
 from .selection import format_ranks

@@ -98,7 +98,7 @@ def _check(ranks: tuple[int, ...], world_size: int, spec: str, allow_empty: bool
 
 def format_ranks(ranks: Iterable[int]) -> str:
     """Format ranks compactly: ``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    nums = sorted(set(int(r) for r in ranks))
+    nums = sorted({int(r) for r in ranks})
     if not nums:
         return "none"
     parts: list[str] = []

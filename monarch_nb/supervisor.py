@@ -98,7 +98,7 @@ class Supervisor:
 
     def spawn(self, rank: int, incarnation: int, identity: str) -> RankProcess:
         log_path = os.path.join(self.log_dir, f"rank{rank}.{incarnation}.log")
-        log = open(log_path, "ab", buffering=0)  # noqa: SIM115 - handed to the child
+        log = open(log_path, "ab", buffering=0)
         try:
             popen = subprocess.Popen(
                 [sys.executable, "-m", "monarch_nb.worker"],

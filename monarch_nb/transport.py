@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -173,7 +174,8 @@ class IOLoop:
     def run_once(self, timeout: float) -> None:
         """One turn of the loop: wait up to ``timeout`` s for anything, then
         run commands, inbound messages, exited processes and the tick."""
-        timeout_ms = max(0.0, min(timeout, self._next_tick - time.monotonic()) * 1000)
+        # ceil: pyzmq truncates, and a 0 ms poll would spin until the tick
+        timeout_ms = math.ceil(max(0.0, min(timeout, self._next_tick - time.monotonic()) * 1000))
         try:
             events = dict(self._poller.poll(timeout_ms))
         except zmq.ZMQError as exc:
@@ -195,8 +197,9 @@ class IOLoop:
                 self._poller.unregister(fd)
                 self._guard(callback)
         now = time.monotonic()
+        tick = self._on_tick
         if now >= self._next_tick:
-            delay = self._guard(lambda: self._on_tick(now)) if self._on_tick else None
+            delay = self._guard(lambda: tick(now)) if tick is not None else None
             self._next_tick = now + (delay if isinstance(delay, (int, float)) else 0.5)
 
     # -- I/O thread -----------------------------------------------------------

@@ -17,7 +17,6 @@ import pytest
 
 from monarch_nb import Mesh
 
-
 # Every process this test session starts (ranks, kernels and their ranks)
 # inherits this tag, so the orphan check sees our ranks and nobody else's.
 SESSION_TAG = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -290,7 +290,7 @@ def test_syntax_error_is_usage_error_and_sends_nothing(mesh: KernelSession) -> N
     assert "nope" not in r.stdout
     # nothing ran on the ranks: the valid first line did not execute either
     r = ok(mesh, "%%monarch -o marker\n'sent_marker' in globals()")
-    assert py_value(mesh, "dict(marker)") == {r: False for r in ALL}
+    assert py_value(mesh, "dict(marker)") == dict.fromkeys(ALL, False)
 
 
 def test_unpicklable_result_is_clear(mesh: KernelSession) -> None:

@@ -53,7 +53,7 @@ def test_group_is_formed_before_the_first_call(healthy: Mesh) -> None:
 
 
 def test_all_reduce_across_ranks(healthy: Mesh) -> None:
-    assert healthy.run(_all_reduce_sum) == {r: 10.0 for r in range(4)}
+    assert healthy.run(_all_reduce_sum) == dict.fromkeys(range(4), 10.0)
 
 
 def test_rank_environment_and_rank_api(healthy: Mesh) -> None:
@@ -83,8 +83,8 @@ def test_rank_api_outside_a_rank_says_where_it_works() -> None:
 def test_exec_keeps_a_namespace_and_returns_last_expression(healthy: Mesh) -> None:
     healthy.exec("import monarch_nb as mnb\ncounter = mnb.rank() * 10")
     assert healthy.exec("counter + 1") == {0: 1, 1: 11, 2: 21, 3: 31}
-    assert healthy.exec("counter + 1;") == {r: None for r in range(4)}
-    assert healthy.exec("y = 5") == {r: None for r in range(4)}
+    assert healthy.exec("counter + 1;") == dict.fromkeys(range(4))
+    assert healthy.exec("y = 5") == dict.fromkeys(range(4))
 
 
 def test_run_arguments_tensors_and_results(healthy: Mesh) -> None:
@@ -133,7 +133,7 @@ def test_errors_are_grouped_with_cell_source(healthy: Mesh) -> None:
     assert "ranks 1,3: ZeroDivisionError" in text and "ranks 0,2: KeyError" in text
     assert "1/0" in text and "raise KeyError('even')" in text  # the cell's own lines
     assert err.results == {}
-    assert healthy.run(lambda: 1) == {r: 1 for r in range(4)}  # still usable
+    assert healthy.run(lambda: 1) == dict.fromkeys(range(4), 1)  # still usable
 
 
 def test_partial_failure_keeps_the_other_results(healthy: Mesh) -> None:
@@ -160,7 +160,7 @@ def test_unpicklable_argument_and_result(healthy: Mesh) -> None:
         healthy.run(lambda x: x, lock)
     with pytest.raises(RankErrors, match="cannot be sent back"):
         healthy.run(lambda: threading.Lock())
-    assert healthy.run(lambda: 2) == {r: 2 for r in range(4)}
+    assert healthy.run(lambda: 2) == dict.fromkeys(range(4), 2)
     with pytest.raises(UsageError, match="needs a function"):
         healthy.run(42)  # type: ignore[arg-type]
 
@@ -172,7 +172,7 @@ def test_output_arrives_before_the_result(healthy: Mesh, capsys: pytest.CaptureF
         print("oops", file=sys.stderr)
         return 7
 
-    assert healthy.run(chatty) == {r: 7 for r in range(4)}
+    assert healthy.run(chatty) == dict.fromkeys(range(4), 7)
     out, err = capsys.readouterr()
     assert out.splitlines() == ["[0-3] line 0", "[0-3] line 1", "[0-3] line 2"]
     assert err.strip() == "[0-3] oops"
@@ -204,7 +204,7 @@ def test_run_async_future_result_await_and_cancel(healthy: Mesh) -> None:
     async def main() -> RankResults:
         return await healthy.run_async(mnb.world_size)
 
-    assert asyncio.run(main()) == {r: 4 for r in range(4)}
+    assert asyncio.run(main()) == dict.fromkeys(range(4), 4)
 
     slow = healthy.exec_async("import time\ntime.sleep(60)")
     with pytest.raises(concurrent.futures.TimeoutError):
@@ -214,7 +214,7 @@ def test_run_async_future_result_await_and_cancel(healthy: Mesh) -> None:
     with pytest.raises(concurrent.futures.CancelledError):
         slow.result(timeout=1)
     # the ranks were interrupted and come back
-    assert healthy.run(lambda: "back", timeout=30) == {r: "back" for r in range(4)}
+    assert healthy.run(lambda: "back", timeout=30) == dict.fromkeys(range(4), "back")
 
 
 def test_no_block_output_lands_in_the_issuing_context(healthy: Mesh) -> None:

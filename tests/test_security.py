@@ -149,7 +149,7 @@ def _is_loopback(ip: str) -> bool:
 
 def _assert_alive(mesh: Mesh) -> None:
     assert mesh._ctl.io.thread.is_alive(), "the controller's I/O thread died"
-    assert mesh.run(lambda: 1) == {r: 1 for r in range(mesh.world_size)}
+    assert mesh.run(lambda: 1) == dict.fromkeys(range(mesh.world_size), 1)
 
 
 @contextlib.contextmanager
@@ -212,7 +212,7 @@ def test_key_holder_with_unknown_identity_cannot_inject_a_result(
     # Ranks now leave the defaults (ok, no output chunks) out of a RESULT's meta:
     # the same forgery in that form.
     ghost.send_multipart(forger.sign(Kind.RESULT, payload, call=fut.call_id))
-    assert mesh4.wait(fut, timeout=60) == {r: "real" for r in range(4)}
+    assert mesh4.wait(fut, timeout=60) == dict.fromkeys(range(4), "real")
     _assert_alive(mesh4)
     assert not marker.exists(), "a RESULT from an unknown socket was unpickled"
     assert _delta(before, mesh4.dropped) == {}
@@ -505,7 +505,7 @@ def test_local_process_cannot_squat_a_rank_identity(
         try:
             result["mesh"] = Mesh.start(n=1, backend="cpu", start_timeout=60,
                                         extra_env=(("PYTHONPATH", pythonpath),))
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             result["error"] = exc
 
     before = _my_workers()
