@@ -1,0 +1,231 @@
+"""Restart policy: a pure state machine, events in, actions out.
+
+No processes, sockets, clocks or randomness of its own: time arrives inside
+events and jitter comes from an injected ``random.Random``, so every decision
+is reproducible in a unit test with a scripted event sequence (as torch
+elastic tests its agent with scripted monitor results)::
+
+    policy = RestartPolicy(world_size=4, mode="rank")
+    policy.handle(Died(rank=1, now=10.0, cause="SIGKILL"))
+    # -> [Respawn(rank=1, at=10.0, incarnation=1), Reform(generation=1, ranks=(0, 1, 2, 3))]
+
+Per rank::
+
+    RUNNING --Died--> WAITING --(Timer >= at)--> RESPAWNING --Ready--> RUNNING
+       |                 |                                  \\--Died--> WAITING
+       |                 \\--(budget spent)--> FAILED (GiveUp; only restart() revives it)
+       \\--Died, mode "off"--> DEAD (Report)
+
+Modes: ``rank`` replaces only the dead rank; ``all`` replaces every rank
+(the survivors are restarted too, torchrun-style); ``off`` reports and keeps
+the survivors. Backoff: the first respawn of a rank is immediate (a training
+cell should not wait), then ``base * 2**(k-1)`` seconds with +/-25 % jitter,
+capped at ``cap``. Budget: at most ``budget`` respawns of a rank within
+``window`` seconds; past it the rank is FAILED with a message that says why
+and what to do. A rank that stayed up for ``window`` seconds has a clean slate
+again, since its old deaths fall out of the window.
+
+Not here: *doing* any of it (controller/supervisor execute the actions).
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from dataclasses import dataclass, field
+
+
+class RankPhase(str, enum.Enum):
+    RUNNING = "running"
+    WAITING = "waiting"  # dead, respawn scheduled
+    RESPAWNING = "respawning"  # new process started, not ready yet
+    DEAD = "dead"  # mode off: stays dead
+    FAILED = "failed"  # restart budget spent
+
+
+# -- events ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Died:
+    """A rank's process ended. ``incarnation`` says which process: the death
+    of one that was already replaced (we killed it to restart it) is old news."""
+
+    rank: int
+    now: float
+    cause: str = ""
+    incarnation: int | None = None
+
+
+@dataclass(frozen=True)
+class Ready:
+    rank: int
+    now: float
+
+
+@dataclass(frozen=True)
+class RestartRequested:
+    """The user asked (``%monarch restart RANK|all``): budget does not apply."""
+
+    ranks: tuple[int, ...]
+    now: float
+
+
+@dataclass(frozen=True)
+class Timer:
+    now: float
+
+
+Event = Died | Ready | RestartRequested | Timer
+
+
+# -- actions -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Respawn:
+    rank: int
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class Kill:
+    """Stop a live rank (mode ``all``: survivors are replaced too)."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class Reform:
+    """Form a new torch.distributed group (new store, new port) of ``ranks``."""
+
+    generation: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Report:
+    rank: int
+    message: str
+
+
+Action = Respawn | Kill | Reform | GiveUp | Report
+
+
+@dataclass
+class _Rank:
+    phase: RankPhase = RankPhase.RUNNING
+    incarnation: int = 0
+    deaths: list[float] = field(default_factory=list)  # times of deaths in the window
+    respawn_at: float | None = None
+
+
+@dataclass
+class RestartPolicy:
+    world_size: int
+    mode: str = "rank"
+    budget: int = 5
+    window: float = 600.0
+    base: float = 0.5
+    cap: float = 30.0
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+    generation: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("rank", "all", "off"):
+            raise ValueError(f"unknown respawn mode {self.mode!r}")
+        self.ranks = [_Rank() for _ in range(self.world_size)]
+
+    def phase(self, rank: int) -> RankPhase:
+        return self.ranks[rank].phase
+
+    def incarnation(self, rank: int) -> int:
+        return self.ranks[rank].incarnation
+
+    def handle(self, event: Event) -> list[Action]:
+        if isinstance(event, Died):
+            return self._died(event)
+        if isinstance(event, Ready):
+            r = self.ranks[event.rank]
+            if r.phase == RankPhase.RESPAWNING:
+                r.phase = RankPhase.RUNNING
+            return []
+        if isinstance(event, RestartRequested):
+            return self._restart(event)
+        return self._timer(event.now)
+
+    # -- transitions -----------------------------------------------------------
+    def _died(self, ev: Died) -> list[Action]:
+        r = self.ranks[ev.rank]
+        if ev.incarnation is not None and ev.incarnation < r.incarnation:
+            return []  # a process we already replaced
+        if r.phase in (RankPhase.DEAD, RankPhase.FAILED, RankPhase.WAITING):
+            return []  # already handled (a second report of the same death)
+        if self.mode == "off":
+            r.phase = RankPhase.DEAD
+            return [Report(ev.rank, f"rank {ev.rank} died ({ev.cause}); respawn is off, "
+                                    "the survivors carry on")]
+        r.deaths = [t for t in r.deaths if ev.now - t < self.window] + [ev.now]
+        if len(r.deaths) > self.budget:
+            r.phase = RankPhase.FAILED
+            return [GiveUp(ev.rank, (
+                f"rank {ev.rank} died {len(r.deaths)} times within {self.window:g} s "
+                f"(last: {ev.cause}); not respawning it again. Fix the cause (see "
+                f"%monarch logs {ev.rank}), then %monarch restart {ev.rank}"))]
+        r.phase = RankPhase.WAITING
+        r.respawn_at = ev.now + self._delay(len(r.deaths))
+        actions: list[Action] = []
+        if self.mode == "all":
+            for other, o in enumerate(self.ranks):
+                if other != ev.rank and o.phase in (RankPhase.RUNNING, RankPhase.RESPAWNING):
+                    o.phase = RankPhase.WAITING
+                    o.respawn_at = r.respawn_at
+                    actions.append(Kill(other))
+        return actions + self._timer(ev.now)
+
+    def _restart(self, ev: RestartRequested) -> list[Action]:
+        actions: list[Action] = []
+        for rank in ev.ranks:
+            r = self.ranks[rank]
+            if r.phase in (RankPhase.RUNNING, RankPhase.RESPAWNING):
+                actions.append(Kill(rank))
+            r.deaths = []  # a deliberate restart is not a failure
+            r.phase = RankPhase.WAITING
+            r.respawn_at = ev.now
+        return actions + self._timer(ev.now)
+
+    def _timer(self, now: float) -> list[Action]:
+        due = [i for i, r in enumerate(self.ranks)
+               if r.phase == RankPhase.WAITING and r.respawn_at is not None and r.respawn_at <= now]
+        if not due:
+            return []
+        actions: list[Action] = []
+        for rank in due:
+            r = self.ranks[rank]
+            r.phase = RankPhase.RESPAWNING
+            r.respawn_at = None
+            r.incarnation += 1
+            actions.append(Respawn(rank, r.incarnation))
+        self.generation += 1
+        members = tuple(i for i, r in enumerate(self.ranks)
+                        if r.phase in (RankPhase.RUNNING, RankPhase.RESPAWNING))
+        actions.append(Reform(self.generation, members))
+        return actions
+
+    def next_deadline(self) -> float | None:
+        """When the controller should send the next Timer, if ever."""
+        times = [r.respawn_at for r in self.ranks
+                 if r.phase == RankPhase.WAITING and r.respawn_at is not None]
+        return min(times) if times else None
+
+    def _delay(self, deaths_in_window: int) -> float:
+        if deaths_in_window <= 1:
+            return 0.0
+        delay = min(self.cap, self.base * 2 ** (deaths_in_window - 2))
+        return delay * (0.75 + 0.5 * self.rng.random())

@@ -1,0 +1,141 @@
+"""The restart policy, driven by scripted events: no process is started."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from monarch_nb.policy import (
+    Died,
+    GiveUp,
+    Kill,
+    RankPhase,
+    Ready,
+    Reform,
+    Report,
+    Respawn,
+    RestartPolicy,
+    RestartRequested,
+    Timer,
+)
+
+
+def test_first_death_respawns_at_once_and_reforms_the_group() -> None:
+    p = RestartPolicy(world_size=4)
+    actions = p.handle(Died(1, now=10.0, cause="SIGKILL"))
+    assert actions == [Respawn(1, incarnation=1), Reform(generation=1, ranks=(0, 1, 2, 3))]
+    assert p.phase(1) == RankPhase.RESPAWNING
+    assert p.handle(Ready(1, now=11.0)) == []
+    assert p.phase(1) == RankPhase.RUNNING and p.incarnation(1) == 1
+
+
+def test_repeated_deaths_back_off_exponentially_with_jitter() -> None:
+    p = RestartPolicy(world_size=2, base=0.5, cap=30.0, rng=random.Random(7))
+    now = 0.0
+    delays = []
+    for k in range(5):
+        actions = p.handle(Died(0, now=now))
+        if actions:  # immediate respawn (first death)
+            assert isinstance(actions[0], Respawn)
+            delays.append(0.0)
+        else:
+            deadline = p.next_deadline()
+            assert deadline is not None
+            delays.append(deadline - now)
+            assert p.handle(Timer(now=deadline - 0.001)) == []  # not yet
+            actions = p.handle(Timer(now=deadline))
+            assert isinstance(actions[0], Respawn) and actions[0].incarnation == k + 1
+        p.handle(Ready(0, now=now + delays[-1] + 0.1))
+        now += delays[-1] + 1.0
+    assert delays[0] == 0.0
+    for k in range(1, 5):  # base * 2**(k-1), +/- 25 %
+        nominal = 0.5 * 2 ** (k - 1)
+        assert 0.75 * nominal <= delays[k] <= 1.25 * nominal
+
+
+def test_budget_exhausted_gives_up_with_a_message_that_says_what_to_do() -> None:
+    p = RestartPolicy(world_size=2, budget=3, window=600.0, base=0.0)
+    for i in range(3):
+        p.handle(Died(1, now=float(i)))
+        p.handle(Timer(now=float(i)))
+        p.handle(Ready(1, now=float(i) + 0.5))
+    actions = p.handle(Died(1, now=4.0, cause="exit code 1"))
+    assert len(actions) == 1 and isinstance(actions[0], GiveUp)
+    assert "4 times within 600 s" in actions[0].reason
+    assert "%monarch restart 1" in actions[0].reason and "%monarch logs 1" in actions[0].reason
+    assert p.phase(1) == RankPhase.FAILED
+    assert p.handle(Timer(now=1000.0)) == []  # a failed rank is never respawned by itself
+    assert p.handle(Died(1, now=5.0)) == []
+
+
+def test_budget_counts_only_deaths_inside_the_window() -> None:
+    p = RestartPolicy(world_size=1, budget=2, window=100.0, base=0.0)
+    for t in (0.0, 50.0, 200.0, 250.0):  # never more than 2 within 100 s
+        actions = p.handle(Died(0, now=t))
+        assert actions and isinstance(actions[0], Respawn), (t, actions)
+        p.handle(Ready(0, now=t + 1))
+
+
+def test_user_restart_revives_a_failed_rank_and_clears_its_record() -> None:
+    p = RestartPolicy(world_size=2, budget=0)
+    assert isinstance(p.handle(Died(0, now=1.0))[0], GiveUp)
+    actions = p.handle(RestartRequested((0,), now=2.0))
+    assert actions == [Respawn(0, incarnation=1), Reform(generation=1, ranks=(0, 1))]
+
+
+def test_user_restart_of_a_live_rank_kills_it_first() -> None:
+    p = RestartPolicy(world_size=3)
+    actions = p.handle(RestartRequested((2,), now=0.0))
+    assert actions == [Kill(2), Respawn(2, 1), Reform(1, (0, 1, 2))]
+    # the death we caused (of incarnation 0) is not a new failure
+    assert p.handle(Died(2, now=0.1, incarnation=0)) == []
+    assert p.phase(2) == RankPhase.RESPAWNING
+
+
+def test_mode_off_reports_and_keeps_the_survivors() -> None:
+    p = RestartPolicy(world_size=3, mode="off")
+    actions = p.handle(Died(1, now=0.0, cause="SIGKILL"))
+    assert len(actions) == 1 and isinstance(actions[0], Report)
+    assert "respawn is off" in actions[0].message
+    assert p.phase(1) == RankPhase.DEAD and p.phase(0) == RankPhase.RUNNING
+    assert p.handle(Timer(now=99.0)) == []
+
+
+def test_mode_all_replaces_every_rank() -> None:
+    p = RestartPolicy(world_size=3, mode="all")
+    actions = p.handle(Died(1, now=0.0))
+    assert actions == [Kill(0), Kill(2), Respawn(0, 1), Respawn(1, 1), Respawn(2, 1),
+                       Reform(1, (0, 1, 2))]
+    # the deaths of the killed survivors are expected, not new failures
+    assert p.handle(Died(0, now=0.1, incarnation=0)) == []
+    assert p.handle(Died(2, now=0.1, incarnation=0)) == []
+    # but a death of a new incarnation is a failure again
+    again = p.handle(Died(0, now=0.2, incarnation=1))
+    assert Respawn(0, 2) in again and Kill(1) in again and Kill(2) in again
+
+
+
+def test_a_death_during_respawn_is_counted_and_backs_off() -> None:
+    p = RestartPolicy(world_size=2, base=1.0, rng=random.Random(1))
+    p.handle(Died(0, now=0.0))
+    assert p.phase(0) == RankPhase.RESPAWNING
+    assert p.handle(Died(0, now=0.2)) == []  # the new process died before it was ready
+    assert p.phase(0) == RankPhase.WAITING
+    deadline = p.next_deadline()
+    assert deadline is not None and 0.2 + 0.75 <= deadline <= 0.2 + 1.25
+    actions = p.handle(Timer(now=deadline))
+    assert actions[0] == Respawn(0, 2) and actions[1] == Reform(2, (0, 1))
+
+
+def test_two_deaths_at_once_form_one_new_generation() -> None:
+    p = RestartPolicy(world_size=4, base=0.0)
+    first = p.handle(Died(1, now=5.0))
+    second = p.handle(Died(3, now=5.0))
+    assert first[-1] == Reform(1, (0, 1, 2, 3)) and second[-1] == Reform(2, (0, 1, 2, 3))
+    assert [a for a in first + second if isinstance(a, Respawn)] == [Respawn(1, 1), Respawn(3, 1)]
+
+
+def test_unknown_mode_is_refused() -> None:
+    with pytest.raises(ValueError):
+        RestartPolicy(world_size=1, mode="sometimes")
