@@ -119,9 +119,6 @@ def pin_env(info: BackendInfo, local_rank: int, env: dict[str, str]) -> None:
         env["CUDA_VISIBLE_DEVICES"] = device
 
 
-_store_socket: Any = None  # keeps rank 0's listening socket open
-
-
 def make_store(rank: int, world_size: int, addr: str, port: int, timeout_s: float = 300.0) -> Any:
     """The rendezvous TCPStore. Rank 0 hosts it on a socket bound to
     ``addr`` only: torch's own TCPStore server listens on every interface,
@@ -134,15 +131,16 @@ def make_store(rank: int, world_size: int, addr: str, port: int, timeout_s: floa
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank != 0:
         return dist.TCPStore(addr, port, world_size, False, timeout=timeout)
-    global _store_socket
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((addr, port))
     sock.listen(max(16, 2 * world_size))
-    _store_socket = sock
+    # The store owns the fd from here on (it closes it when the group is
+    # destroyed): detach, or Python would close it a second time later — by
+    # then possibly the next generation's socket under the same number.
     return dist.TCPStore(addr, port, world_size, True, timeout=timeout,
-                         master_listen_fd=sock.fileno())
+                         master_listen_fd=sock.detach())
 
 
 def init_group(backend: str, rank: int, world_size: int, addr: str = "127.0.0.1",

@@ -9,8 +9,15 @@ Rank states::
 
     STARTING --READY--> READY <--> BUSY
         |                 |         |
-        +----- exit ------+---------+--> DEAD
+        +----- exit ------+---------+--> policy: RESPAWNING --READY--> READY
+                                             or DEAD (respawn off) or FAILED (budget)
     (any) --stop--> STOPPED
+
+A death goes to the restart policy (policy.py); its actions are carried out
+here: respawn keeps the rank number and device, every member joins a new
+torch.distributed group (new generation, new port: never a store a dead
+member may still hold), ``--setup`` cells are replayed on the new process
+before any other call reaches it, and calls for a respawning rank wait.
 
 A call is sent to the ``main`` socket of each target rank (signed once) and
 completes when every target answered or died. A rank's RESULT is held back
@@ -40,6 +47,18 @@ from .config import MeshConfig
 from .errors import MembershipChanged, MonarchError, RankDied, RankErrors, RemoteError
 from .futures import MeshFuture
 from .output import CallOutput
+from .policy import (
+    Died,
+    GiveUp,
+    Kill,
+    Ready,
+    Reform,
+    Report,
+    Respawn,
+    RestartPolicy,
+    RestartRequested,
+    Timer,
+)
 from .protocol import Codec, Kind, Message, new_key
 from .supervisor import Supervisor
 from .transport import IOLoop
@@ -51,7 +70,9 @@ class RankState(str, enum.Enum):
     STARTING = "starting"
     READY = "ready"
     BUSY = "busy"
-    DEAD = "dead"
+    RESPAWNING = "respawning"  # a new process is on its way (calls to it wait)
+    DEAD = "dead"  # respawn off: stays dead
+    FAILED = "failed"  # restart budget spent
     STOPPED = "stopped"
 
 
@@ -106,6 +127,7 @@ class PendingCall:
     errors: dict[int, BaseException] = field(default_factory=dict)
     chunks_seen: dict[int, int] = field(default_factory=dict)
     held: dict[int, Message] = field(default_factory=dict)  # RESULT waiting for chunks
+    setup: dict[str, Any] | None = None  # a --setup cell: recorded once it succeeded
 
 
 def _free_port() -> int:
@@ -149,6 +171,11 @@ class Controller:
         self._by_ident: dict[bytes, RankInfo] = {}
         self._state_changed = threading.Condition()
         self.default_output: CallOutput | None = None  # for output outside calls
+        self.policy = RestartPolicy(world_size, mode=cfg.respawn)
+        self.generation = 0
+        self.setup_cells: list[dict[str, Any]] = []  # --setup cells, replayed on respawn
+        self.deferred: list[Callable[[], None]] = []  # calls waiting for respawning ranks
+        self.started = False
         self.stopped = False
         self.announce: Callable[[str], None] | None = None
 
@@ -179,6 +206,7 @@ class Controller:
                 if failed:
                     raise self._start_failure(failed)
                 if ready == self.world_size:
+                    self.started = True
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -197,7 +225,11 @@ class Controller:
         return MonarchError(f"rank {info.rank} failed to start: {why}\n{tail}")
 
     def _spawn(self, info: RankInfo) -> None:
+        self._by_ident.pop(info.main_id, None)  # the old incarnation's stragglers are ignored
+        self._by_ident.pop(info.ctl_id, None)
         info.token = secrets.token_hex(8)
+        info.silent_for = None
+        info.exitcode = None
         proc = self.supervisor.spawn(info.rank, info.incarnation, info.identity)
         info.pid = proc.pid
         info.state = RankState.STARTING
@@ -207,7 +239,7 @@ class Controller:
         self._by_ident[info.ctl_id] = info
         self._event(info, "started", f"pid {proc.pid}")
         if proc.pidfd is not None:
-            self.io.watch_fd(proc.pidfd, lambda: self._on_exit(info.rank))
+            self.io.watch_fd(proc.pidfd, lambda: self._on_exit(info.rank, proc))
 
     def stop(self, grace: float = 3.0) -> None:
         """Ask every rank to leave, kill what does not, stop the I/O thread."""
@@ -262,6 +294,7 @@ class Controller:
         if on_future is not None:
             on_future(future)
         with self.io.leadership():
+            self.io.run_commands()  # earlier requests (restart, interrupt) go first
             go()
             self._lead_until(future, timeout)
         return future
@@ -287,25 +320,33 @@ class Controller:
 
     def _prepare(self, kind: Kind, ranks: tuple[int, ...], payload: list[Any],
                  meta: dict[str, Any] | None, output: CallOutput) -> tuple[MeshFuture, Callable[[], None]]:
-        dead = [r for r in ranks if self.ranks[r].state in (RankState.DEAD, RankState.STOPPED)]
+        dead = [r for r in ranks if self.ranks[r].state in
+                (RankState.DEAD, RankState.FAILED, RankState.STOPPED)]
         if dead:
             info = self.ranks[dead[0]]
+            why = ("its restart budget is spent" if info.state == RankState.FAILED
+                   else self.describe_exit(info.exitcode))
             raise MonarchError(
-                f"rank {info.rank} is dead ({self.describe_exit(info.exitcode)}); "
-                f"select the live ranks with --ranks, or restart the mesh "
-                f"(%monarch stop, then %monarch start)"
+                f"rank {info.rank} is dead ({why}); select the live ranks with --ranks, "
+                f"or bring it back with %monarch restart {info.rank} (mesh.restart({info.rank}))"
             )
         call_id = next(self._call_ids)
         future = MeshFuture(call_id, ranks, self.interrupt)
         call = PendingCall(call_id, ranks, output, future, set(ranks))
+        if kind == Kind.EXEC and meta and meta.get("setup"):
+            call.setup = {"code": meta["code"], "name": meta.get("name", "<setup>"), "setup": True}
         # Signed once, whatever the number of ranks: the same frames go to each.
         frames = self.codec.sign(kind, payload, call=call_id, meta=meta)
 
         def go() -> None:
+            if any(self.ranks[r].state in (RankState.RESPAWNING, RankState.STARTING)
+                   for r in ranks) and self.started:
+                self.deferred.append(go)  # sent once the new process is ready
+                return
             self.calls[call_id] = call
             for r in ranks:
                 info = self.ranks[r]
-                if info.state == RankState.DEAD:
+                if info.state in (RankState.DEAD, RankState.FAILED, RankState.STOPPED):
                     call.errors[r] = self._died(info)
                     call.remaining.discard(r)
                     continue
@@ -358,7 +399,19 @@ class Controller:
             info.device = str(msg.meta.get("device", ""))
             info.ready_at = time.monotonic()
             self._event(info, "ready", info.device)
+            if self.started:  # a respawned rank
+                self.policy.handle(Ready(info.rank, info.ready_at))
+                self._replay_setup(info)
+                self._announce(f"monarch_nb: rank {info.rank} is back (incarnation "
+                               f"{info.incarnation}, generation {self.generation})")
+                self._run_deferred()
             self._notify()
+        elif kind == Kind.REFORMED:
+            error = msg.meta.get("error")
+            if error:
+                self._event(info, "reform_failed", str(error))
+                self._announce(f"monarch_nb: rank {info.rank} could not join generation "
+                               f"{msg.meta.get('generation')}: {error}")
         elif kind == Kind.FAILED_START:
             info.start_error = str(msg.meta.get("error", ""))
 
@@ -418,6 +471,8 @@ class Controller:
         future = call.future
         if future.done():  # cancelled by the user
             return
+        if call.setup is not None and not call.errors:
+            self.setup_cells.append(call.setup)
         if call.errors:
             self._classify_membership(call)
             future.set_exception(RankErrors(dict(call.errors), dict(call.results), len(call.ranks)))
@@ -437,13 +492,15 @@ class Controller:
                 call.errors[rank] = MembershipChanged(rank, dead, err.message.splitlines()[0][:200])
 
     # -- I/O thread: deaths and ticks --------------------------------------------------
-    def _on_exit(self, rank: int) -> None:
+    def _on_exit(self, rank: int, proc: Any = None) -> None:
         info = self.ranks[rank]
-        code = self.supervisor.reap(rank)
-        if code is None or info.state in (RankState.DEAD, RankState.STOPPED):
+        code = self.supervisor.reap(rank, proc)
+        if proc is not None and proc is not self.supervisor.procs.get(rank):
+            return  # an incarnation that was already replaced
+        if code is None or info.state in (RankState.DEAD, RankState.FAILED, RankState.STOPPED):
             return
         info.exitcode = code
-        was_starting = info.state == RankState.STARTING
+        was_starting = info.state == RankState.STARTING and not self.started
         info.state = RankState.DEAD
         detail = self.describe_exit(code)
         if info.silent_for is not None:
@@ -457,12 +514,103 @@ class Controller:
                 call.errors[rank] = died
                 self._maybe_finish(call)
         if not self.stopped and not was_starting:
-            line = f"monarch_nb: {died.__str__().splitlines()[0]}"
-            for call in self.calls.values():
-                call.output.note(line)
-            if self.announce is not None:
-                self.announce(line)
+            self._announce(f"monarch_nb: {str(died).splitlines()[0]}")
+            cause = signal_name(code) or f"exit code {code}"
+            if info.silent_for is not None:
+                cause = "missed heartbeats"
+            self._apply(self.policy.handle(Died(rank, time.monotonic(), cause, info.incarnation)))
         self._notify()
+
+    # -- I/O thread: carrying out the restart policy -------------------------------------
+    def restart(self, ranks: tuple[int, ...]) -> None:
+        """Replace ``ranks`` with new processes (thread-safe; user request)."""
+        self.io.call_soon(lambda: self._apply(self.policy.handle(
+            RestartRequested(ranks, time.monotonic()))))
+
+    def _apply(self, actions: list[Any]) -> None:
+        for action in actions:
+            if isinstance(action, Report):
+                self._announce(f"monarch_nb: {action.message}")
+            elif isinstance(action, GiveUp):
+                info = self.ranks[action.rank]
+                info.state = RankState.FAILED
+                self._event(info, "gave_up", action.reason)
+                self._announce(f"monarch_nb: {action.reason}")
+            elif isinstance(action, Kill):
+                proc = self.supervisor.procs.get(action.rank)
+                info = self.ranks[action.rank]
+                if proc is not None:
+                    self.supervisor.kill_proc(proc)
+                    # its exit is old news: fail its calls now, the pidfd event is ignored
+                    info.exitcode = -9
+                    died = self._died(info)
+                    for call in list(self.calls.values()):
+                        if action.rank in call.remaining:
+                            call.remaining.discard(action.rank)
+                            call.held.pop(action.rank, None)
+                            call.errors[action.rank] = died
+                            self._maybe_finish(call)
+            elif isinstance(action, Respawn):
+                info = self.ranks[action.rank]
+                info.incarnation = action.incarnation
+                info.state = RankState.RESPAWNING
+            elif isinstance(action, Reform):
+                self._reform(action)
+
+    def _reform(self, action: Reform) -> None:
+        """New generation: fresh store port; respawning members start with
+        it, live members are told to leave their group and join it."""
+        self.generation = action.generation
+        port = _free_port()
+        self.supervisor.master_port = port
+        self.supervisor.generation = action.generation
+        frames = self.codec.sign(Kind.REFORM, meta={"generation": action.generation, "port": port})
+        for rank in action.ranks:
+            info = self.ranks[rank]
+            if info.state == RankState.RESPAWNING:
+                old = self.supervisor.procs.get(rank)
+                if old is not None and old.popen.poll() is None:
+                    self.supervisor.kill_proc(old)  # never two processes for one rank
+                self._spawn(info)
+                info.state = RankState.RESPAWNING
+                self._event(info, "respawned", f"generation {action.generation}")
+            elif info.state in (RankState.READY, RankState.BUSY):
+                # queued behind the rank's current call: a survivor stuck in a
+                # collective with the dead rank fails out of it first (gloo
+                # errors within ~0.2 s), then re-forms
+                self.io.send(info.main_id, frames)
+        self.events.append(Event(time.time(), -1, 0, "reformed",
+                                 f"generation {action.generation}, ranks {list(action.ranks)}"))
+
+    def _replay_setup(self, info: RankInfo) -> None:
+        """Send the recorded --setup cells to a respawned rank, in order,
+        ahead of any deferred call (its main socket is first in, first out)."""
+        for cell in self.setup_cells:
+            call_id = next(self._call_ids)
+            future = MeshFuture(call_id, (info.rank,), self.interrupt)
+            out = self.default_output or CallOutput()
+            call = PendingCall(call_id, (info.rank,), out, future, {info.rank})
+            self.calls[call_id] = call
+
+            def report(fut: MeshFuture, rank: int = info.rank, name: str = cell["name"]) -> None:
+                if fut.exception() is not None:
+                    self._event(self.ranks[rank], "setup_failed", f"{name}: {fut.exception()}")
+                    self._announce(f"monarch_nb: replaying setup cell {name} on rank {rank} "
+                                   f"failed: {str(fut.exception()).splitlines()[-1]}")
+
+            future.add_done_callback(report)
+            self.io.send(info.main_id, self.codec.sign(Kind.EXEC, call=call_id, meta=cell))
+
+    def _run_deferred(self) -> None:
+        pending, self.deferred = self.deferred, []
+        for go in pending:
+            go()  # re-defers itself if a target is still respawning
+
+    def _announce(self, line: str) -> None:
+        for call in self.calls.values():
+            call.output.note(line)
+        if self.announce is not None:
+            self.announce(line)
 
     def _died(self, info: RankInfo) -> RankDied:
         return RankDied(info.rank, info.exitcode if (info.exitcode or 0) >= 0 else None,
@@ -474,13 +622,14 @@ class Controller:
             return 0.5
         for info in self.ranks:
             proc = self.supervisor.procs.get(info.rank)
-            if proc is None or info.state in (RankState.DEAD, RankState.STOPPED):
+            if proc is None or info.state in (RankState.DEAD, RankState.FAILED, RankState.STOPPED):
                 continue
             if proc.pidfd is None and proc.popen.poll() is not None:  # no pidfd: poll
                 self._on_exit(info.rank)
                 continue
             silent = now - info.last_heartbeat
-            if (info.state != RankState.STARTING and info.silent_for is None
+            if (info.state not in (RankState.STARTING, RankState.RESPAWNING)
+                    and info.silent_for is None
                     and silent > self.cfg.heartbeat_timeout):
                 # Frozen: its control thread would answer even if user code
                 # were stuck. Kill it so its exit is reported like any death
@@ -488,11 +637,15 @@ class Controller:
                 # an error instead of waiting for the group timeout).
                 info.silent_for = silent
                 self.supervisor.signal(info.rank, signal_mod.SIGKILL)
+        deadline = self.policy.next_deadline()
+        if deadline is not None and deadline <= now:
+            self._apply(self.policy.handle(Timer(now)))
         if now - getattr(self, "_last_ping", 0.0) >= self.cfg.heartbeat_interval:
             self._last_ping = now
             frames = self.codec.sign(Kind.PING)
             for info in self.ranks:
-                if info.state in (RankState.READY, RankState.BUSY, RankState.STARTING):
+                if info.state in (RankState.READY, RankState.BUSY, RankState.STARTING,
+                                  RankState.RESPAWNING):
                     self.io.send(info.ctl_id, frames)
         pending = False
         for call in self.calls.values():

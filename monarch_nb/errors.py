@@ -180,7 +180,12 @@ class RankErrors(MonarchError):
         sample: dict[object, BaseException] = {}
         for rank in sorted(self.errors):
             err = self.errors[rank]
-            key = err.signature if isinstance(err, RemoteError) else (type(err), _strip_rank(err))
+            if isinstance(err, RemoteError):
+                key: object = err.signature
+            elif isinstance(err, MembershipChanged):  # the gloo detail differs per peer
+                key = (MembershipChanged, err.dead)
+            else:
+                key = (type(err), _strip_rank(err))
             by_key.setdefault(key, []).append(rank)
             sample.setdefault(key, err)
         out = [(tuple(ranks), sample[key]) for key, ranks in by_key.items()]

@@ -29,6 +29,7 @@ HELP = """\
 %monarch push NAME [NAME ...] [--ranks SPEC]    send kernel variables to the ranks
 %monarch pull NAME [--ranks SPEC]               fetch a variable from the ranks
 %monarch kill RANK [--signal KILL|TERM|STOP|INT] fault injection
+%monarch restart RANK|all                       replace ranks with fresh processes
 %monarch logs RANK [--tail N]                   a rank's recent output
 %monarch wait [NAME]                            wait for --no-block cells
 %%monarch [--ranks SPEC] [--setup] [--no-block] [-o NAME] [--timeout SECONDS]
@@ -67,6 +68,10 @@ class _Parsers:
     @argument("rank", type=int)
     @argument("--tail", type=int, default=100)
     def logs(self, line: str) -> None: ...
+
+    @magic_arguments()
+    @argument("rank", help="a rank, a rank spec, or all")
+    def restart(self, line: str) -> None: ...
 
     @magic_arguments()
     @argument("name", nargs="?", default=None)
@@ -206,8 +211,10 @@ class MonarchMagics(Magics):
         return result if args.name is not None else None
 
     def _cmd_restart(self, rest: str) -> None:
-        raise UsageError("%monarch restart needs supervision, which is not in this version yet; "
-                         "use %monarch stop then %monarch start")
+        args = _parse(_P.restart, rest)
+        mesh = self._mesh()
+        mesh.restart(args.rank)
+        print(f"monarch_nb: restarting rank {args.rank}; calls to it wait until it is back")
 
     def _cmd_dashboard(self, rest: str) -> None:
         mesh = self._mesh()

@@ -226,13 +226,29 @@ class Mesh(_RankSet):
 
     # -- control ----------------------------------------------------------------
     def kill(self, rank: int, signal: str | int = "KILL") -> None:
-        """Send a signal to a rank's process (fault injection)."""
+        """Send a signal to a rank's process (fault injection). For KILL,
+        returns once the controller has seen the death, so the next call
+        already knows (it waits for the respawn, or is refused)."""
         (r,) = parse_ranks(rank, self.world_size) if isinstance(rank, (int, str)) else (rank,)
         sig = _signal(signal)
         ctl = self._live()
-        if ctl.ranks[r].state == RankState.DEAD:
+        info = ctl.ranks[r]
+        if info.state in (RankState.DEAD, RankState.FAILED):
             raise UsageError(f"rank {r} is already dead")
+        proc = ctl.supervisor.procs.get(r)
         ctl.supervisor.signal(r, sig)
+        if sig == signal_mod.SIGKILL and proc is not None:
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and ctl.supervisor.procs.get(r) is proc \
+                    and info.state not in (RankState.DEAD, RankState.FAILED, RankState.RESPAWNING):
+                ctl.pump(0.05)
+
+    def restart(self, rank: int | str = "all") -> None:
+        """Replace a rank (or ``"all"``) with a fresh process: same rank
+        number and device, a new torch.distributed generation, ``--setup``
+        cells replayed. Returns at once; calls to it wait until it is back."""
+        ranks = parse_ranks(rank, self.world_size)
+        self._live().restart(ranks)
 
     def status(self) -> list[dict[str, Any]]:
         """One dict per rank: state, pid, incarnation, device, heartbeat age..."""
@@ -243,7 +259,8 @@ class Mesh(_RankSet):
                 "rank": info.rank, "state": info.state.value, "pid": info.pid,
                 "incarnation": info.incarnation, "device": info.device,
                 "heartbeat_age": round(now - info.last_heartbeat, 2) if info.last_heartbeat else None,
-                "exit": self._ctl.describe_exit(info.exitcode) if info.state == RankState.DEAD else "",
+                "exit": self._ctl.describe_exit(info.exitcode)
+                if info.state in (RankState.DEAD, RankState.FAILED) else "",
             })
         return rows
 

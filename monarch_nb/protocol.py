@@ -73,6 +73,8 @@ class Kind(str, enum.Enum):
     HEARTBEAT = "heartbeat"  # control thread alive (meta: state, busy call)
     INTERRUPTED = "interrupted"  # answer to INTERRUPT (meta: where the main thread was)
     STACKS_REPLY = "stacks_reply"
+    REFORM = "reform"  # leave the group, join generation g on a new port (meta: generation, port)
+    REFORMED = "reformed"  # answer to REFORM (meta: generation, error)
 
 
 _CODES = {k: i for i, k in enumerate(Kind)}

@@ -56,6 +56,7 @@ class Supervisor:
     key: bytes
     mesh_id: str
     master_port: int
+    generation: int = 0
     controller_timeout: float = 10.0
     max_message_bytes: int = 4 << 30
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -87,6 +88,7 @@ class Supervisor:
             config.ENV_PARENT_PID: str(os.getpid()),
             config.ENV_CONTROLLER_TIMEOUT: str(self.controller_timeout),
             config.ENV_IDENTITY: identity,
+            config.ENV_GENERATION: str(self.generation),
             config.ENV_MAX_MESSAGE: str(self.max_message_bytes),
             "PYTHONUNBUFFERED": "1",
         })
@@ -122,10 +124,10 @@ class Supervisor:
         self.history.append(proc)
         return proc
 
-    def reap(self, rank: int) -> int | None:
-        """The exit status of ``rank``'s current process if it ended (and
-        reap it), else None. Negative values are signals, as in Popen."""
-        proc = self.procs.get(rank)
+    def reap(self, rank: int, proc: RankProcess | None = None) -> int | None:
+        """The exit status of ``proc`` (default: ``rank``'s current process)
+        if it ended (and reap it), else None. Negative values are signals."""
+        proc = proc or self.procs.get(rank)
         if proc is None:
             return None
         code = proc.popen.poll()
@@ -165,12 +167,19 @@ class Supervisor:
             return []
         return data.splitlines()[-lines:]
 
+    def kill_proc(self, proc: RankProcess) -> None:
+        if proc.popen.poll() is None:
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def terminate_all(self, grace: float = 3.0) -> None:
         """SIGTERM-free stop: ranks were asked to STOP over the socket by the
         controller; whoever is still alive after ``grace`` gets SIGKILL —
         including any child processes the user's code started."""
         alive = []
-        for proc in self.procs.values():
+        for proc in [p for p in self.history if p.popen.poll() is None]:
             try:
                 p = psutil.Process(proc.pid)
                 alive.append(p)

@@ -234,6 +234,10 @@ class IOLoop:
             self._run_commands()
             self._close()
 
+    def run_commands(self) -> None:
+        """Run queued commands now (only while leading)."""
+        self._run_commands()
+
     def _run_commands(self) -> None:
         commands = self._commands
         while commands:

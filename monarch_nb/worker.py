@@ -121,6 +121,8 @@ class Worker:
                 continue
             if msg.kind in (Kind.CALL, Kind.EXEC):
                 self._execute(msg)
+            elif msg.kind == Kind.REFORM:
+                self._reform(msg)
             elif msg.kind == Kind.STOP:
                 break
         self._exit(0)
@@ -183,6 +185,26 @@ class Worker:
             meta["o"] = 1
             payload = [_json(tail), *payload]
         self._send_main(Kind.RESULT, payload, call=call, meta=meta)
+
+    def _reform(self, msg: Message) -> None:
+        """Leave the old torch.distributed group and join the new generation
+        (a member died and was replaced). Runs between calls, on the main
+        thread, like everything that touches torch.distributed."""
+        generation, port = int(msg.meta["generation"]), int(msg.meta["port"])
+        error = ""
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            os.environ["MASTER_PORT"] = str(port)
+            os.environ["MONARCH_NB_GENERATION"] = str(generation)
+            init_group(self.env.backend, self.env.rank, self.env.world_size,
+                       self.env.master_addr, port)
+            _context._set(generation=generation)
+        except Exception as exc:  # reported; the controller decides
+            error = f"{type(exc).__name__}: {exc}"
+        self._send_main(Kind.REFORMED, meta={"generation": generation, "error": error})
 
     def _run_cell(self, code: str, name: str) -> Any:
         lines = code.splitlines(True)

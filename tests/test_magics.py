@@ -513,20 +513,23 @@ def test_megabytes_of_output_are_truncated(mesh: KernelSession) -> None:
     assert 0 < out_bytes < 4 * 20000 * 1000, out_bytes  # truncated, not everything
 
 
-# -- last: a dead rank, then stop -----------------------------------------------------
+# -- last: a killed rank comes back, then stop ------------------------------------------
 def test_kill_rank_then_stop_leaves_no_process(mesh: KernelSession) -> None:
     pids = rank_pids(mesh)
     assert len(pids) == 4 and all(pids)
+    ok(mesh, "%%monarch --setup\nimport monarch_nb as mnb\nsetup_marker = 'replayed'")
     ok(mesh, "%monarch kill 3")
     wait_for(lambda: gone(pids[3]), timeout=10, what="rank 3 to die")
-    r = failed(mesh, "%%monarch\nimport monarch_nb as mnb\nmnb.rank()", timeout=60)
-    tb = r.traceback
-    assert r.error is not None
-    assert r.error["ename"] == "RankDied" or "rank 3" in tb, tb
-    assert "rank 3" in tb and ("dead" in tb or "died" in tb), tb
-    assert answered(mesh, "0-2") == {0: 0, 1: 1, 2: 2}
+    # --respawn rank (the default): the cell waits for the new rank 3
+    r = ok(mesh, "%%monarch\n(mnb.incarnation(), setup_marker)", timeout=90)
+    assert "3: (1, 'replayed')" in r.results[0], r.results
+    assert "0: (0, 'replayed')" in r.results[0] or "ranks 0-2: (0, 'replayed')" in r.results[0]
     r = ok(mesh, "%monarch status")
-    assert re.search(r"^\s*3\s+dead\b", r.stdout, re.MULTILINE), r.stdout
+    assert re.search(r"^\s*3\s+ready\s+\d+\s+1\b", r.stdout, re.MULTILINE), r.stdout
+    ok(mesh, "%monarch restart 2")
+    r = ok(mesh, "%%monarch --ranks 2\nmnb.incarnation()", timeout=90)
+    assert "2: 1" in r.results[0], r.results
+    pids = pids + rank_pids(mesh)
     r = ok(mesh, "%monarch stop")
     assert "stopped" in r.stdout
     wait_for(lambda: all(gone(p) for p in pids), timeout=5, what="every rank process to end")

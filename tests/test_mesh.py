@@ -278,6 +278,40 @@ def test_kill_gives_rank_died_and_membership_changed() -> None:
         assert mesh.ranks("0,2").run(mnb.rank) == {0: 0, 2: 2}
 
 
+def test_killed_rank_is_respawned_into_a_new_group() -> None:
+    with Mesh.start(n=3, backend="cpu") as mesh:  # --respawn rank is the default
+        mesh.exec("import torch, torch.distributed as dist, monarch_nb as mnb\n"
+                  "weights = torch.full((4,), 7.0)", setup=True)
+        # a kill in the middle of a collective: the call fails cleanly, no hang
+        fut = mesh.exec_async("import time\n"
+                              "if mnb.rank() == 1:\n    time.sleep(60)\n"
+                              "x = torch.ones(1)\ndist.all_reduce(x)\n")
+        wait_for(lambda: mesh.status()[1]["state"] == "busy", what="rank 1 busy")
+        old_pid = mesh.status()[1]["pid"]
+        mesh.kill(1)
+        with pytest.raises(RankErrors) as info:
+            mesh.wait(fut, timeout=60)
+        assert isinstance(info.value.errors[1], RankDied)
+        assert all(isinstance(info.value.errors[r], MembershipChanged) for r in (0, 2))
+        # the next call waits for the new rank 1, which joined a new group and
+        # got the setup cell replayed
+        res = mesh.run(_all_reduce_sum, timeout=90)
+        assert res == {0: 6.0, 1: 6.0, 2: 6.0}
+        assert mesh.run(mnb.incarnation) == {0: 0, 1: 1, 2: 0}
+        assert mesh.exec("float(weights.sum())") == {r: 28.0 for r in range(3)}
+        row = mesh.status()[1]
+        assert row["state"] == "ready" and row["pid"] != old_pid and row["incarnation"] == 1
+        kinds = [(e["rank"], e["kind"]) for e in mesh.events]
+        for expected in [(1, "died"), (1, "respawned"), (-1, "reformed")]:
+            assert expected in kinds
+        assert kinds.index((1, "died")) < kinds.index((1, "respawned"))
+        assert not psutil.pid_exists(old_pid) or psutil.Process(old_pid).status() == psutil.STATUS_ZOMBIE
+        # a deliberate restart of every rank
+        mesh.restart("all")
+        assert mesh.run(mnb.incarnation, timeout=90) == {0: 1, 1: 2, 2: 1}
+        assert mesh.run(_all_reduce_sum) == {r: 6.0 for r in range(3)}
+
+
 def test_frozen_rank_is_detected_by_missing_heartbeats() -> None:
     with Mesh.start(n=2, backend="cpu", respawn="off", heartbeat_timeout=1.5) as mesh:
         # rank 0 stays busy longer than the heartbeat timeout: busy is not frozen
