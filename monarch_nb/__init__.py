@@ -30,13 +30,14 @@ from .errors import (
     RemoteError,
     UsageError,
 )
+from . import chaos
 from .futures import MeshFuture
 from .mesh import Mesh, RankResults, SubMesh, stop_all
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Mesh", "SubMesh", "RankResults", "MeshFuture",
+    "Mesh", "SubMesh", "RankResults", "MeshFuture", "chaos",
     "MonarchError", "MeshNotRunning", "RemoteError", "RankErrors", "RankDied",
     "MembershipChanged", "CallTimeout", "UsageError",
     "rank", "world_size", "local_rank", "device", "incarnation",
