@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 from typing import Any
 
+from . import chaos
 from ._context import device, incarnation, local_rank, rank, world_size
 from .errors import (
     CallTimeout,
@@ -30,7 +31,6 @@ from .errors import (
     RemoteError,
     UsageError,
 )
-from . import chaos
 from .futures import MeshFuture
 from .mesh import Mesh, RankResults, SubMesh, stop_all
 
