@@ -19,7 +19,7 @@ from __future__ import annotations
 import atexit
 from typing import Any
 
-from . import chaos
+from . import chaos, elastic
 from ._context import device, incarnation, local_rank, rank, world_size
 from .errors import (
     CallTimeout,
@@ -37,7 +37,7 @@ from .mesh import Mesh, RankResults, SubMesh, stop_all
 __version__ = "0.1.0"
 
 __all__ = [
-    "Mesh", "SubMesh", "RankResults", "MeshFuture", "chaos",
+    "Mesh", "SubMesh", "RankResults", "MeshFuture", "chaos", "elastic",
     "MonarchError", "MeshNotRunning", "RemoteError", "RankErrors", "RankDied",
     "MembershipChanged", "CallTimeout", "UsageError",
     "rank", "world_size", "local_rank", "device", "incarnation",

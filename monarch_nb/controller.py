@@ -44,7 +44,7 @@ from typing import Any
 from . import serialize
 from .backends import BackendInfo
 from .config import MeshConfig
-from .errors import MembershipChanged, MonarchError, RankDied, RankErrors, RemoteError
+from .errors import MembershipChanged, MonarchError, RankDied, RankErrors, RemoteError, is_peer_loss
 from .futures import MeshFuture
 from .output import CallOutput
 from .policy import (
@@ -128,6 +128,12 @@ class PendingCall:
     chunks_seen: dict[int, int] = field(default_factory=dict)
     held: dict[int, Message] = field(default_factory=dict)  # RESULT waiting for chunks
     setup: dict[str, Any] | None = None  # a --setup cell: recorded once it succeeded
+    elastic: bool = False  # survive deaths: re-issued on the respawned rank
+    frames: list[Any] = field(default_factory=list)  # kept for re-issue (elastic only)
+    reissue: set[int] = field(default_factory=set)  # ranks waiting for their new process
+
+
+REFORM_GRACE_S = 3.0  # an elastic survivor must answer a re-formation within this
 
 
 def _free_port() -> int:
@@ -175,6 +181,7 @@ class Controller:
         self.generation = 0
         self.setup_cells: list[dict[str, Any]] = []  # --setup cells, replayed on respawn
         self.deferred: list[Callable[[], None]] = []  # calls waiting for respawning ranks
+        self.awaiting_reform: dict[int, float] = {}  # survivor -> deadline to answer REFORM
         self.started = False
         self.stopped = False
         self.announce: Callable[[str], None] | None = None
@@ -337,6 +344,15 @@ class Controller:
             call.setup = {"code": meta["code"], "name": meta.get("name", "<setup>"), "setup": True}
         # Signed once, whatever the number of ranks: the same frames go to each.
         frames = self.codec.sign(kind, payload, call=call_id, meta=meta)
+        if meta and meta.get("elastic"):
+            # the generation the call starts in: a rank that joined a later
+            # one came in mid-call and must take its state from a peer
+            meta = {**meta, "generation": self.generation}
+            frames = self.codec.sign(kind, payload, call=call_id, meta=meta)
+            if self.cfg.respawn == "off":
+                raise MonarchError("elastic calls need respawn: start the mesh with "
+                                   "--respawn rank (the default) or all")
+            call.elastic, call.frames = True, frames
 
         def go() -> None:
             if any(self.ranks[r].state in (RankState.RESPAWNING, RankState.STARTING)
@@ -402,12 +418,14 @@ class Controller:
             if self.started:  # a respawned rank
                 self.policy.handle(Ready(info.rank, info.ready_at))
                 self._replay_setup(info)
+                self._reissue(info)
                 self._announce(f"monarch_nb: rank {info.rank} is back (incarnation "
                                f"{info.incarnation}, generation {self.generation})")
                 self._run_deferred()
             self._notify()
         elif kind == Kind.REFORMED:
-            error = msg.meta.get("error")
+            self.awaiting_reform.pop(info.rank, None)
+            error = None if msg.meta.get("joining") else msg.meta.get("error")
             if error:
                 self._event(info, "reform_failed", str(error))
                 self._announce(f"monarch_nb: rank {info.rank} could not join generation "
@@ -509,8 +527,12 @@ class Controller:
         died = self._died(info)
         for call in list(self.calls.values()):
             if rank in call.remaining:
-                call.remaining.discard(rank)
                 call.held.pop(rank, None)
+                call.chunks_seen.pop(rank, None)
+                if call.elastic and not self.stopped:
+                    call.reissue.add(rank)  # runs again on the new process
+                    continue
+                call.remaining.discard(rank)
                 call.errors[rank] = died
                 self._maybe_finish(call)
         if not self.stopped and not was_starting:
@@ -531,11 +553,13 @@ class Controller:
         for action in actions:
             if isinstance(action, Report):
                 self._announce(f"monarch_nb: {action.message}")
+                self._fail_reissues(self.ranks[action.rank])
             elif isinstance(action, GiveUp):
                 info = self.ranks[action.rank]
                 info.state = RankState.FAILED
                 self._event(info, "gave_up", action.reason)
                 self._announce(f"monarch_nb: {action.reason}")
+                self._fail_reissues(info)
             elif isinstance(action, Kill):
                 proc = self.supervisor.procs.get(action.rank)
                 info = self.ranks[action.rank]
@@ -579,6 +603,8 @@ class Controller:
                 # collective with the dead rank fails out of it first (gloo
                 # errors within ~0.2 s), then re-forms
                 self.io.send(info.main_id, frames)
+                if any(c.elastic and rank in c.remaining for c in self.calls.values()):
+                    self.awaiting_reform[rank] = time.monotonic() + REFORM_GRACE_S
         self.events.append(Event(time.time(), -1, 0, "reformed",
                                  f"generation {action.generation}, ranks {list(action.ranks)}"))
 
@@ -600,6 +626,54 @@ class Controller:
 
             future.add_done_callback(report)
             self.io.send(info.main_id, self.codec.sign(Kind.EXEC, call=call_id, meta=cell))
+
+    def _replace_stuck(self, rank: int) -> None:
+        """An elastic survivor that did not answer the re-formation is stuck
+        in a collective with a peer that left (gloo does not always fail it).
+        Replace its process in the current generation; like a respawned rank
+        it takes the state from a live peer, so nothing is lost."""
+        self.awaiting_reform.pop(rank, None)
+        info = self.ranks[rank]
+        old = self.supervisor.procs.get(rank)
+        if old is None or info.state not in (RankState.READY, RankState.BUSY):
+            return
+        self.supervisor.kill_proc(old)
+        for call in self.calls.values():
+            if rank in call.remaining:
+                call.held.pop(rank, None)
+                call.chunks_seen.pop(rank, None)
+                if call.elastic:
+                    call.reissue.add(rank)
+                else:
+                    call.remaining.discard(rank)
+                    call.errors[rank] = MembershipChanged(rank, (), "replaced: stuck in a "
+                                                         "collective after a member died")
+        info.incarnation = self.policy.replace(rank)
+        info.state = RankState.RESPAWNING
+        self._spawn(info)
+        info.state = RankState.RESPAWNING
+        self._event(info, "replaced", f"stuck in a collective; joins generation {self.generation}")
+        self._announce(f"monarch_nb: rank {rank} was stuck in a collective after the group "
+                       f"changed; replaced it (incarnation {info.incarnation})")
+        for call in list(self.calls.values()):
+            self._maybe_finish(call)
+
+    def _reissue(self, info: RankInfo) -> None:
+        """Elastic calls that lost this rank run again on its new process
+        (after the setup replay: the main socket is first in, first out)."""
+        for call in list(self.calls.values()):
+            if info.rank in call.reissue:
+                call.reissue.discard(info.rank)
+                info.state = RankState.BUSY
+                self.io.send(info.main_id, call.frames)
+
+    def _fail_reissues(self, info: RankInfo) -> None:
+        for call in list(self.calls.values()):
+            if info.rank in call.reissue:
+                call.reissue.discard(info.rank)
+                call.remaining.discard(info.rank)
+                call.errors[info.rank] = self._died(info)
+                self._maybe_finish(call)
 
     def _run_deferred(self) -> None:
         pending, self.deferred = self.deferred, []
@@ -640,6 +714,9 @@ class Controller:
         deadline = self.policy.next_deadline()
         if deadline is not None and deadline <= now:
             self._apply(self.policy.handle(Timer(now)))
+        for rank, answer_by in list(self.awaiting_reform.items()):
+            if now > answer_by:
+                self._replace_stuck(rank)
         if now - getattr(self, "_last_ping", 0.0) >= self.cfg.heartbeat_interval:
             self._last_ping = now
             frames = self.codec.sign(Kind.PING)
@@ -685,7 +762,4 @@ def _output_items(frame: Any) -> list[tuple[str, str]]:
 
 
 def _looks_like_peer_loss(err: RemoteError) -> bool:
-    text = f"{err.type_name} {err.message}".lower()
-    return any(s in text for s in ("connection closed by peer", "connection reset",
-                                   "broken pipe", "nccl communicator was aborted",
-                                   "socket closed", "remote process exited"))
+    return is_peer_loss(f"{err.type_name} {err.message}")

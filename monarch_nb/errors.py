@@ -219,6 +219,17 @@ class RankErrors(MonarchError):
         return (RankErrors, (self.errors, self.results, self.total))
 
 
+_PEER_LOSS = ("connection closed by peer", "connection reset", "broken pipe",
+              "nccl communicator was aborted", "socket closed", "remote process exited")
+
+
+def is_peer_loss(text: str) -> bool:
+    """Does this collective error text mean a member of the group is gone?
+    (gloo: 'Connection closed by peer' within ~0.2 s of a SIGKILL.)"""
+    low = text.lower()
+    return any(s in low for s in _PEER_LOSS)
+
+
 def format_ranks(ranks: Iterable[int]) -> str:
     from .selection import format_ranks as fmt  # selection imports this module
 

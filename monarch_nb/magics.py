@@ -229,22 +229,21 @@ class MonarchMagics(Magics):
     # -- the cell magic --------------------------------------------------------------
     def _cell(self, line: str, cell: str) -> Any:
         args = _parse(_P.cell, line)
-        if args.elastic:
-            raise UsageError("--elastic needs supervision, which is not in this version yet")
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o needs a variable name, not {args.output!r}")
         mesh = self._mesh()
         sub = mesh.ranks(args.ranks)
         name = f"<mnb-cell-{self.shell.execution_count}>"
         if args.no_block:
-            fut = sub.exec(cell, setup=args.setup, name=name, block=False)
+            fut = sub.exec(cell, setup=args.setup, name=name, block=False, elastic=args.elastic)
             key = args.output or f"_mnb{self._anon}"
             self._anon += 1
             self.pending[key] = fut
             if args.output:
                 self.shell.user_ns[args.output] = fut
             return fut
-        results = sub.exec(cell, setup=args.setup, name=name, timeout=args.timeout)
+        results = sub.exec(cell, setup=args.setup, name=name, timeout=args.timeout,
+                           elastic=args.elastic)
         if args.output:
             self.shell.user_ns[args.output] = results
         if all(v is None for v in results.values()):

@@ -84,9 +84,12 @@ class _RankSet:
 
     # -- calls ------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
-            **kwargs: Any) -> RankResults:
-        """Run ``fn(*args, **kwargs)`` on every selected rank and wait."""
-        return self._mesh._call(Kind.CALL, self._sel, _call_payload(fn, args, kwargs), None,
+            elastic: bool = False, **kwargs: Any) -> RankResults:
+        """Run ``fn(*args, **kwargs)`` on every selected rank and wait.
+        ``elastic=True``: a rank that dies is respawned and the call re-issued
+        on it; the survivors carry on (inside ``mnb.elastic.run``)."""
+        meta = {"elastic": True} if elastic else None
+        return self._mesh._call(Kind.CALL, self._sel, _call_payload(fn, args, kwargs), meta,
                                 timeout)
 
     def run_async(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MeshFuture:
@@ -95,18 +98,21 @@ class _RankSet:
         return self._mesh._live().submit(Kind.CALL, self._sel, payload, None, CallOutput())
 
     def exec(self, code: str, setup: bool = False, *, timeout: float | None = None,
-             name: str | None = None, block: bool = True) -> Any:
+             name: str | None = None, block: bool = True, elastic: bool = False) -> Any:
         """Run cell ``code`` on the selected ranks; RankResults of each rank's
         last expression. The code is syntax-checked here first, so a typo
         costs no round trip and shows the line."""
         meta = _exec_meta(code, setup, name)
+        if elastic:
+            meta["elastic"] = True
         if not block:
             return self._mesh._live().submit(Kind.EXEC, self._sel, [], meta, CallOutput())
         return self._mesh._call(Kind.EXEC, self._sel, [], meta, timeout)
 
-    def exec_async(self, code: str, setup: bool = False, name: str | None = None) -> MeshFuture:
+    def exec_async(self, code: str, setup: bool = False, name: str | None = None,
+                   elastic: bool = False) -> MeshFuture:
         """Start cell ``code`` on the selected ranks; returns a :class:`MeshFuture`."""
-        return self.exec(code, setup, name=name, block=False)
+        return self.exec(code, setup, name=name, block=False, elastic=elastic)
 
     def push(self, **values: Any) -> None:
         """Set names in every selected rank's namespace."""

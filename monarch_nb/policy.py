@@ -218,6 +218,15 @@ class RestartPolicy:
         actions.append(Reform(self.generation, members))
         return actions
 
+    def replace(self, rank: int) -> int:
+        """The controller replaced a live rank's process itself (a survivor
+        stuck in a collective with a peer that gave up): a new incarnation in
+        the current generation, not a failure. Returns the incarnation."""
+        r = self.ranks[rank]
+        r.incarnation += 1
+        r.phase = RankPhase.RESPAWNING
+        return r.incarnation
+
     def next_deadline(self) -> float | None:
         """When the controller should send the next Timer, if ever."""
         times = [r.respawn_at for r in self.ranks

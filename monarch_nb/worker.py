@@ -79,6 +79,9 @@ class Worker:
         # Interrupts that arrived before their call started (queued behind
         # another call, or overtaking it on the other socket), and calls done.
         self.cancelled: set[int] = set()
+        # Messages read while user code waited for a re-formation (elastic):
+        # served first, in order, once the current call is over.
+        self.pending: collections.deque[Message] = collections.deque()
         self.finished: collections.deque[int] = collections.deque(maxlen=4096)
         self.stopping = False
         self.main_thread_id = threading.get_ident()
@@ -92,7 +95,8 @@ class Worker:
         env = self.env
         _context._set(
             rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
-            incarnation=env.incarnation, backend=env.backend,
+            incarnation=env.incarnation, backend=env.backend, generation=env.generation,
+            await_reform=self.await_reform,
         )
         log = sys.stdout
         sys.stdout = RankStream("stdout", self.output, log)
@@ -114,7 +118,10 @@ class Worker:
     def serve(self) -> None:
         while not self.stopping:
             try:
-                msg = recv_verified(self.main_sock, self.main_codec, self.dropped)
+                if self.pending:
+                    msg = self.pending.popleft()
+                else:
+                    msg = recv_verified(self.main_sock, self.main_codec, self.dropped)
             except KeyboardInterrupt:  # a stray interrupt while idle
                 continue
             if msg is None:
@@ -122,7 +129,10 @@ class Worker:
             if msg.kind in (Kind.CALL, Kind.EXEC):
                 self._execute(msg)
             elif msg.kind == Kind.REFORM:
-                self._reform(msg)
+                try:
+                    self._reform(msg)
+                except RuntimeError:
+                    pass  # reported to the controller in REFORMED
             elif msg.kind == Kind.STOP:
                 break
         self._exit(0)
@@ -133,6 +143,7 @@ class Worker:
         if leftover:
             self._send_main(Kind.OUTPUT, [_json(leftover)], call=0, meta={"n": -1})
         self.running_call = call
+        _context._set(call_generation=int(msg.meta.get("generation", 0)))
         ok, value, error = True, None, None
         try:
             try:
@@ -186,11 +197,34 @@ class Worker:
             payload = [_json(tail), *payload]
         self._send_main(Kind.RESULT, payload, call=call, meta=meta)
 
-    def _reform(self, msg: Message) -> None:
+    def await_reform(self, timeout: float = 300.0) -> int:
+        """For mnb.elastic, on the main thread inside a call: wait for the
+        controller's REFORM, join the new group, return its generation.
+        Other messages that arrive meanwhile are kept, in order."""
+        deadline = time.monotonic() + timeout
+        for i, msg in enumerate(self.pending):  # it may already be here
+            if msg.kind == Kind.REFORM:
+                del self.pending[i]
+                return self._reform(msg)
+        while time.monotonic() < deadline:
+            if not self.main_sock.poll(100):
+                continue
+            msg = recv_verified(self.main_sock, self.main_codec, self.dropped)
+            if msg is None:
+                continue
+            if msg.kind == Kind.REFORM:
+                return self._reform(msg)
+            self.pending.append(msg)
+        raise TimeoutError(f"no new group within {timeout:g} s after a member died")
+
+    def _reform(self, msg: Message) -> int:
         """Leave the old torch.distributed group and join the new generation
         (a member died and was replaced). Runs between calls, on the main
         thread, like everything that touches torch.distributed."""
         generation, port = int(msg.meta["generation"]), int(msg.meta["port"])
+        # "out of the old collective, joining": the controller stops waiting
+        # for this survivor before the (slower) join completes
+        self._send_main(Kind.REFORMED, meta={"generation": generation, "joining": True})
         error = ""
         try:
             import torch.distributed as dist
@@ -205,6 +239,9 @@ class Worker:
         except Exception as exc:  # reported; the controller decides
             error = f"{type(exc).__name__}: {exc}"
         self._send_main(Kind.REFORMED, meta={"generation": generation, "error": error})
+        if error:
+            raise RuntimeError(f"could not join generation {generation}: {error}")
+        return generation
 
     def _run_cell(self, code: str, name: str) -> Any:
         lines = code.splitlines(True)

@@ -1,0 +1,149 @@
+"""Training loops that survive a rank's death: ``mnb.elastic``.
+
+Rank side::
+
+    import monarch_nb as mnb
+    state = mnb.elastic.State(model=model, optimizer=opt, step=0)
+
+    @mnb.elastic.run(state)
+    def train(state):
+        ddp = DDP(model)            # build group-bound wrappers *inside*: the
+        while state.step < 60:      # function is re-entered on each new group
+            ...one step...
+            state.step += 1
+            state.commit()          # a consistent point to come back to
+
+    train()                         # in a cell run with --elastic / elastic=True
+
+When a member dies in the middle, the survivors' collective fails; each
+survivor rolls back to its last ``commit()``, waits for the controller to
+re-form the group (the dead rank is respawned), and then every member —
+the respawned one included — takes the committed state of the most advanced
+live peer over the new group (no disk) and re-enters the function. The
+controller re-issues the elastic call on respawned processes, so the cell
+completes when every rank has finished.
+
+gloo does not always fail a survivor whose collective waits on *another
+survivor* (a ring: the peer that stopped participating is alive, and
+destroying a process group does not close its connections). The controller
+therefore replaces a survivor that has not answered the re-formation within a
+few seconds; it takes the state from a live peer like a respawned rank.
+
+Determinism is the user's: with data chosen by step (and rank), the final
+model equals that of a run without the fault. For *bitwise* equality with a
+DDP model, keep DDP's bucket layout fixed (``find_unused_parameters=True``
+turns off its re-bucketing after the first step; otherwise the wrapper rebuilt
+after a fault sums gradients in another order and results agree only to
+rounding).
+
+Non-goals: when to respawn (policy), checkpoints on disk.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import gc
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from . import _context
+from .errors import MonarchError, is_peer_loss
+
+
+class State:
+    """What a training loop needs to resume: objects with ``state_dict()``
+    (model, optimizer, scheduler...) and plain scalars (step, epoch, ...),
+    which are attributes: ``state.step += 1``."""
+
+    def __init__(self, **items: Any) -> None:
+        objects = {k: v for k, v in items.items() if hasattr(v, "state_dict")}
+        scalars = {k: v for k, v in items.items() if k not in objects}
+        object.__setattr__(self, "_objects", objects)
+        object.__setattr__(self, "_scalars", list(scalars))
+        object.__setattr__(self, "_snapshot", None)
+        object.__setattr__(self, "commits", 0)
+        for k, v in {**scalars, **objects}.items():
+            object.__setattr__(self, k, v)
+        self.commit()
+
+    def commit(self) -> None:
+        """Remember the current state as the point to roll back to."""
+        snap = {
+            "objects": {k: copy.deepcopy(v.state_dict()) for k, v in self._objects.items()},
+            "scalars": {k: copy.deepcopy(getattr(self, k)) for k in self._scalars},
+            "commits": self.commits + 1,
+        }
+        object.__setattr__(self, "_snapshot", snap)
+        object.__setattr__(self, "commits", snap["commits"])
+
+    def rollback(self) -> None:
+        """Return to the last commit."""
+        self._load(self._snapshot)
+
+    def _load(self, snap: dict[str, Any]) -> None:
+        for k, sd in snap["objects"].items():
+            self._objects[k].load_state_dict(copy.deepcopy(sd))
+        for k, v in snap["scalars"].items():
+            object.__setattr__(self, k, copy.deepcopy(v))
+        object.__setattr__(self, "commits", snap["commits"])
+        object.__setattr__(self, "_snapshot", snap)
+
+    def __repr__(self) -> str:
+        scalars = ", ".join(f"{k}={getattr(self, k)!r}" for k in self._scalars)
+        return f"State({', '.join(self._objects)}; {scalars}; commits={self.commits})"
+
+
+def run(state: State, *, reform_timeout: float = 300.0,
+        max_reforms: int = 100) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: the wrapped ``fn(state, ...)`` survives membership changes."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            joined = _context._state.get("generation", 0)
+            if joined > _context._state.get("call_generation", 0):
+                _sync(state)  # joined mid-call (respawned): take the state of a live peer
+            reforms = 0
+            while True:
+                try:
+                    return fn(state, *args, **kwargs)
+                except Exception as exc:
+                    if not is_peer_loss(f"{type(exc).__name__} {exc}") or reforms >= max_reforms:
+                        raise
+                    # the failed attempt's frames hold group-bound objects (DDP)
+                    traceback.clear_frames(exc.__traceback__)
+                reforms += 1
+                gc.collect()
+                state.rollback()
+                _await_reform(reform_timeout)
+                _sync(state)
+
+        return wrapper
+
+    return decorate
+
+
+def _await_reform(timeout: float) -> int:
+    try:
+        await_reform = _context._get("await_reform")
+    except MonarchError:
+        raise MonarchError("mnb.elastic needs a rank started by monarch_nb (the controller "
+                           "re-forms the group)") from None
+    return int(await_reform(timeout))
+
+
+def _sync(state: State) -> None:
+    """Every member takes the committed state of the most advanced live
+    member (a replaced process has committed nothing of its own yet)."""
+    import torch.distributed as dist
+
+    fresh = _context.incarnation() > 0 and state.commits <= 1
+    mine = (-1 if fresh else state.commits, dist.get_rank())
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    src = max(everyone, key=lambda item: (item[0], -item[1]))[1]
+    box = [state._snapshot if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    state._load(box[0])
