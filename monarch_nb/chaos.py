@@ -55,11 +55,13 @@ def die(how: str = "sigkill", code: int = 13) -> None:
 
 
 def die_at(step: int, at: int, rank: int | None = None, how: str = "sigkill",
-           incarnation: int = 0) -> None:
-    """Die when ``step == at`` on ``rank`` (every rank if None) — but only in
-    incarnation ``incarnation``, so the respawned process does not die again
-    at the same step when a loop is re-run."""
-    if step != at or _context.incarnation() != incarnation:
+           incarnation: int | None = 0) -> None:
+    """Die when ``step == at`` on ``rank`` (every rank if None) — only in
+    incarnation ``incarnation`` (any if None), so that a loop that is run
+    again from the start does not kill the respawned process at the same step.
+    (Call it after ``state.commit()``: an elastic loop resumes *after* the
+    committed step, so the same kill does not fire twice.)"""
+    if step != at or (incarnation is not None and _context.incarnation() != incarnation):
         return
     if rank is not None and _context.rank() != rank:
         return

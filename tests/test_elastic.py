@@ -93,3 +93,52 @@ def test_elastic_outside_a_rank_says_so() -> None:
 
     with pytest.raises(MonarchError, match="needs a rank started by monarch_nb"):
         loop()
+
+
+SOAK = """
+import torch, torch.distributed as dist, monarch_nb as mnb
+from monarch_nb import chaos
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+state = mnb.elastic.State(model=model, optimizer=opt, step=0)
+KILLS = {KILLS}
+
+@mnb.elastic.run(state)
+def train(state):
+    while state.step < 64:
+        g = torch.Generator().manual_seed(1000 * state.step + mnb.rank())
+        x = torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        ((model(x) - x.sum(1, keepdim=True)) ** 2).mean().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        opt.step()
+        state.step += 1
+        state.commit()
+        if state.step in KILLS:
+            chaos.die_at(state.step, state.step, rank=KILLS[state.step], incarnation=None)
+    return [p.detach().clone() for p in model.parameters()]
+
+train()
+"""
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(900)
+def test_soak_twenty_kills_during_one_training_run() -> None:
+    from .conftest import worker_pids
+
+    kills = {3 * i + 2: i % 4 for i in range(20)}  # steps 2, 5, ... 59; ranks 0-3 in turn
+    with Mesh.start(n=4, backend="cpu") as mesh:
+        clean = mesh.exec(SOAK.replace("{KILLS}", "{}"), elastic=True, timeout=300)
+        faulted = mesh.exec(SOAK.replace("{KILLS}", repr(kills)), elastic=True, timeout=900)
+        for rank in range(4):
+            assert all(torch.equal(a, b) for a, b in zip(faulted[rank], clean[rank])), rank
+        deaths = [e for e in mesh.events if e["kind"] == "died"]
+        assert len(deaths) == 20, [(e["rank"], e["detail"]) for e in deaths]
+        assert not [e for e in mesh.events if e["kind"] == "gave_up"]
+        live = {row["pid"] for row in mesh.status()}
+        assert worker_pids() >= live
+    assert not worker_pids() & live  # no incarnation outlives the mesh
