@@ -423,6 +423,11 @@ class Controller:
                                f"{info.incarnation}, generation {self.generation})")
                 self._run_deferred()
             self._notify()
+        elif kind == Kind.STACKS_REPLY:
+            stacks = msg.meta.get("stacks") or {}
+            main = str(stacks.get("MainThread", ""))
+            if info.rank in self.awaiting_reform and "torch/distributed/" in main:
+                self._replace_stuck(info.rank)
         elif kind == Kind.REFORMED:
             self.awaiting_reform.pop(info.rank, None)
             error = None if msg.meta.get("joining") else msg.meta.get("error")
@@ -603,7 +608,7 @@ class Controller:
                 # collective with the dead rank fails out of it first (gloo
                 # errors within ~0.2 s), then re-forms
                 self.io.send(info.main_id, frames)
-                if any(c.elastic and rank in c.remaining for c in self.calls.values()):
+                if info.state == RankState.BUSY:
                     self.awaiting_reform[rank] = time.monotonic() + REFORM_GRACE_S
         self.events.append(Event(time.time(), -1, 0, "reformed",
                                  f"generation {action.generation}, ranks {list(action.ranks)}"))
@@ -716,7 +721,15 @@ class Controller:
             self._apply(self.policy.handle(Timer(now)))
         for rank, answer_by in list(self.awaiting_reform.items()):
             if now > answer_by:
-                self._replace_stuck(rank)
+                info = self.ranks[rank]
+                if any(c.elastic and rank in c.remaining for c in self.calls.values()):
+                    self._replace_stuck(rank)  # its state comes back from a peer
+                else:
+                    # Only a rank stuck *in a collective* is replaced (its state
+                    # is lost, the alternative is a hang until the group
+                    # timeout); one that is busy computing is left alone.
+                    self.awaiting_reform[rank] = now + REFORM_GRACE_S
+                    self.io.send(info.ctl_id, self.codec.sign(Kind.STACKS))
         if now - getattr(self, "_last_ping", 0.0) >= self.cfg.heartbeat_interval:
             self._last_ping = now
             frames = self.codec.sign(Kind.PING)

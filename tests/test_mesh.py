@@ -379,3 +379,23 @@ def test_bad_start_arguments() -> None:
         Mesh.start(n=1, backend="cuda")
     with pytest.raises(UsageError, match="not available in this version"):
         Mesh.start(n=1, launcher="slurm")
+
+
+def test_survivors_stuck_in_a_collective_never_hang() -> None:
+    # In a 4-rank ring, a survivor can wait on another survivor that already
+    # gave up (gloo fails only peers of the dead rank): it is replaced.
+    with Mesh.start(n=4, backend="cpu") as mesh:
+        code = ("import torch, torch.distributed as dist, monarch_nb as mnb\n"
+                "from monarch_nb import chaos\n"
+                "for step in range(100000):\n"
+                "    x = torch.ones(1000)\n"
+                "    dist.all_reduce(x)\n"
+                "    chaos.die_at(step, 50, rank=1)\n")
+        with pytest.raises(RankErrors) as info:
+            mesh.exec(code, timeout=60)
+        errs = info.value.errors
+        assert isinstance(errs[1], RankDied)
+        assert all(isinstance(errs[r], MembershipChanged) for r in (0, 2, 3)), errs
+        # (the respawned rank 1 has a fresh namespace: import what the cell uses)
+        assert mesh.exec("import torch, torch.distributed as dist\nx = torch.ones(1)\n"
+                         "dist.all_reduce(x)\nx.item()", timeout=60) == {r: 4.0 for r in range(4)}
