@@ -71,6 +71,7 @@ $(BENCH_STAMP): pyproject.toml $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/run.py
+	$(PY) benchmarks/respawn.py
 
 lint: venv
 	$(PY) -m ruff check monarch_nb

@@ -327,8 +327,11 @@ class Controller:
 
     def _prepare(self, kind: Kind, ranks: tuple[int, ...], payload: list[Any],
                  meta: dict[str, Any] | None, output: CallOutput) -> tuple[MeshFuture, Callable[[], None]]:
-        dead = [r for r in ranks if self.ranks[r].state in
-                (RankState.DEAD, RankState.FAILED, RankState.STOPPED)]
+        # DEAD is final only without respawn; otherwise it is the instant
+        # between a death and its respawn (this runs on the caller's thread)
+        final = (RankState.FAILED, RankState.STOPPED) + (
+            (RankState.DEAD,) if self.cfg.respawn == "off" else ())
+        dead = [r for r in ranks if self.ranks[r].state in final]
         if dead:
             info = self.ranks[dead[0]]
             why = ("its restart budget is spent" if info.state == RankState.FAILED
@@ -355,8 +358,9 @@ class Controller:
             call.elastic, call.frames = True, frames
 
         def go() -> None:
-            if any(self.ranks[r].state in (RankState.RESPAWNING, RankState.STARTING)
-                   for r in ranks) and self.started:
+            waiting = (RankState.RESPAWNING, RankState.STARTING) + (
+                (RankState.DEAD,) if self.cfg.respawn != "off" else ())
+            if any(self.ranks[r].state in waiting for r in ranks) and self.started:
                 self.deferred.append(go)  # sent once the new process is ready
                 return
             self.calls[call_id] = call
@@ -565,6 +569,7 @@ class Controller:
                 self._event(info, "gave_up", action.reason)
                 self._announce(f"monarch_nb: {action.reason}")
                 self._fail_reissues(info)
+                self._run_deferred()  # calls waiting for it now fail with RankDied
             elif isinstance(action, Kill):
                 proc = self.supervisor.procs.get(action.rank)
                 info = self.ranks[action.rank]

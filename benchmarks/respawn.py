@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Supervision figures: how fast a death is noticed, and how fast a rank is back.
+
+    .venv/bin/python benchmarks/respawn.py [--ranks 4] [--repeat 3] [--json out.json]
+
+- detection, SIGKILL: from ``os.kill`` to the controller recording the death
+  (pidfd watched by the I/O loop; target < 100 ms on the same host).
+- detection, SIGSTOP: from the freeze to the death being recorded (missed
+  heartbeats, ``heartbeat_timeout`` = 3 s by default, then killed).
+- kill-to-ready: from SIGKILL to the next collective on all ranks answered
+  (rank replaced, group re-formed), beside a cold start of the whole mesh.
+
+Medians over --repeat trials; the machine is noisy, so read them as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import time
+
+import monarch_nb as mnb
+from monarch_nb import Mesh
+
+
+def _sum() -> float:
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    return x.item()
+
+
+def _death_recorded(mesh: Mesh, rank: int, before: int) -> float | None:
+    for event in mesh.events[before:]:
+        if event["kind"] == "died" and event["rank"] == rank:
+            return float(event["time"])
+    return None
+
+
+def _wait(predicate, timeout: float = 60.0, step: float = 0.002):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise TimeoutError("condition not reached")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+
+    out: dict[str, list[float]] = {"cold_start_s": [], "detect_sigkill_ms": [],
+                                   "detect_sigstop_s": [], "kill_to_ready_s": []}
+    t = time.monotonic()
+    mesh = Mesh.start(n=a.ranks, backend="cpu")
+    out["cold_start_s"].append(time.monotonic() - t)
+    try:
+        mesh.run(_sum)
+        for i in range(a.repeat):
+            rank = 1 + i % max(1, a.ranks - 1)
+            # SIGKILL: detection and kill-to-ready
+            before = len(mesh.events)
+            pid = mesh.status()[rank]["pid"]
+            t_wall, t0 = time.time(), time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            seen = _wait(lambda: _death_recorded(mesh, rank, before))
+            out["detect_sigkill_ms"].append((seen - t_wall) * 1000)
+            mesh.run(_sum, timeout=120)  # waits for the new rank, re-formed group
+            out["kill_to_ready_s"].append(time.monotonic() - t0)
+            # SIGSTOP: detection by missed heartbeats
+            before = len(mesh.events)
+            pid = mesh.status()[rank]["pid"]
+            t_wall = time.time()
+            os.kill(pid, signal.SIGSTOP)
+            seen = _wait(lambda: _death_recorded(mesh, rank, before), timeout=30)
+            out["detect_sigstop_s"].append(seen - t_wall)
+            mesh.run(_sum, timeout=120)
+        assert mesh.run(mnb.world_size) == dict.fromkeys(range(a.ranks), a.ranks)
+    finally:
+        mesh.stop()
+
+    rows = [
+        ("detection of SIGKILL (ms)", "detect_sigkill_ms", "< 100"),
+        ("detection of SIGSTOP (s)", "detect_sigstop_s", "< 3 + heartbeat"),
+        ("kill-to-ready, next collective answered (s)", "kill_to_ready_s", "< 1.5"),
+        ("cold start of the mesh (s)", "cold_start_s", "-"),
+    ]
+    print(f"\nmonarch_nb supervision — {a.ranks} CPU ranks, {a.repeat} trials, {os.cpu_count()} CPUs\n")
+    print("| measure | median | min | target |")
+    print("|---|---:|---:|---|")
+    for label, key, target in rows:
+        vals = out[key]
+        print(f"| {label} | {statistics.median(vals):.2f} | {min(vals):.2f} | {target} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
