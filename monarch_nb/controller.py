@@ -13,8 +13,8 @@ Rank states::
                                              or DEAD (respawn off) or FAILED (budget)
     (any) --stop--> STOPPED
 
-A death goes to the restart policy (policy.py); its actions are carried out
-here: respawn keeps the rank number and device, every member joins a new
+A death goes to the restart policy (policy.py); recovery.py (a mixin of this
+class) carries out its actions: respawn keeps the rank number and device, every member joins a new
 torch.distributed group (new generation, new port: never a store a dead
 member may still hold), ``--setup`` cells are replayed on the new process
 before any other call reaches it, and calls for a respawning rank wait.
@@ -29,16 +29,13 @@ Non-goals: the user-facing API (mesh.py), process handling (supervisor.py).
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import secrets
 import signal as signal_mod
-import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from . import serialize
@@ -49,109 +46,29 @@ from .futures import MeshFuture
 from .output import CallOutput
 from .policy import (
     Died,
-    GiveUp,
-    Kill,
     Ready,
-    Reform,
-    Report,
-    Respawn,
     RestartPolicy,
-    RestartRequested,
     Timer,
 )
 from .protocol import Codec, Kind, Message, new_key
+from .rankstate import (
+    REFORM_GRACE_S,
+    Event,
+    PendingCall,
+    RankInfo,
+    RankState,
+    _free_port,
+    signal_name,
+)
+from .recovery import Recovery
 from .supervisor import Supervisor
 from .transport import IOLoop
 
 log = logging.getLogger(__name__)
 
 
-class RankState(str, enum.Enum):
-    STARTING = "starting"
-    READY = "ready"
-    BUSY = "busy"
-    RESPAWNING = "respawning"  # a new process is on its way (calls to it wait)
-    DEAD = "dead"  # respawn off: stays dead
-    FAILED = "failed"  # restart budget spent
-    STOPPED = "stopped"
 
-
-@dataclass
-class RankInfo:
-    rank: int
-    incarnation: int = 0
-    token: str = ""  # random part of the socket identities of this incarnation
-    state: RankState = RankState.STARTING
-    pid: int | None = None
-    device: str = ""
-    host: str = ""
-    last_heartbeat: float = 0.0
-    exitcode: int | None = None
-    silent_for: float | None = None  # killed by us for missing heartbeats
-    start_error: str = ""
-    started_at: float = field(default_factory=time.monotonic)
-    ready_at: float | None = None
-
-    @property
-    def identity(self) -> str:
-        return f"r{self.rank}.{self.incarnation}.{self.token}"
-
-    @property
-    def main_id(self) -> bytes:
-        return f"{self.identity}.main".encode()
-
-    @property
-    def ctl_id(self) -> bytes:
-        return f"{self.identity}.ctl".encode()
-
-
-@dataclass
-class Event:
-    """One entry of ``mesh.events``: something that happened to a rank."""
-
-    time: float
-    rank: int
-    incarnation: int
-    kind: str  # started | ready | died | stopped | failed_start
-    detail: str = ""
-
-
-@dataclass
-class PendingCall:
-    call_id: int
-    ranks: tuple[int, ...]
-    output: CallOutput
-    future: MeshFuture
-    remaining: set[int]
-    results: dict[int, Any] = field(default_factory=dict)
-    errors: dict[int, BaseException] = field(default_factory=dict)
-    chunks_seen: dict[int, int] = field(default_factory=dict)
-    held: dict[int, Message] = field(default_factory=dict)  # RESULT waiting for chunks
-    setup: dict[str, Any] | None = None  # a --setup cell: recorded once it succeeded
-    elastic: bool = False  # survive deaths: re-issued on the respawned rank
-    frames: list[Any] = field(default_factory=list)  # kept for re-issue (elastic only)
-    reissue: set[int] = field(default_factory=set)  # ranks waiting for their new process
-
-
-REFORM_GRACE_S = 3.0  # an elastic survivor must answer a re-formation within this
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def signal_name(code: int | None) -> str | None:
-    if code is None or code >= 0:
-        return None
-    try:
-        return signal_mod.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
-
-
-class Controller:
+class Controller(Recovery):
     """Runs the I/O thread, the supervisor and the bookkeeping of one mesh."""
 
     def __init__(self, cfg: MeshConfig, backend: BackendInfo, world_size: int) -> None:
@@ -552,150 +469,11 @@ class Controller:
             self._apply(self.policy.handle(Died(rank, time.monotonic(), cause, info.incarnation)))
         self._notify()
 
-    # -- I/O thread: carrying out the restart policy -------------------------------------
-    def restart(self, ranks: tuple[int, ...]) -> None:
-        """Replace ``ranks`` with new processes (thread-safe; user request)."""
-        self.io.call_soon(lambda: self._apply(self.policy.handle(
-            RestartRequested(ranks, time.monotonic()))))
-
-    def _apply(self, actions: list[Any]) -> None:
-        for action in actions:
-            if isinstance(action, Report):
-                self._announce(f"monarch_nb: {action.message}")
-                self._fail_reissues(self.ranks[action.rank])
-            elif isinstance(action, GiveUp):
-                info = self.ranks[action.rank]
-                info.state = RankState.FAILED
-                self._event(info, "gave_up", action.reason)
-                self._announce(f"monarch_nb: {action.reason}")
-                self._fail_reissues(info)
-                self._run_deferred()  # calls waiting for it now fail with RankDied
-            elif isinstance(action, Kill):
-                proc = self.supervisor.procs.get(action.rank)
-                info = self.ranks[action.rank]
-                if proc is not None:
-                    self.supervisor.kill_proc(proc)
-                    # its exit is old news: fail its calls now, the pidfd event is ignored
-                    info.exitcode = -9
-                    died = self._died(info)
-                    for call in list(self.calls.values()):
-                        if action.rank in call.remaining:
-                            call.remaining.discard(action.rank)
-                            call.held.pop(action.rank, None)
-                            call.errors[action.rank] = died
-                            self._maybe_finish(call)
-            elif isinstance(action, Respawn):
-                info = self.ranks[action.rank]
-                info.incarnation = action.incarnation
-                info.state = RankState.RESPAWNING
-            elif isinstance(action, Reform):
-                self._reform(action)
-
-    def _reform(self, action: Reform) -> None:
-        """New generation: fresh store port; respawning members start with
-        it, live members are told to leave their group and join it."""
-        self.generation = action.generation
-        port = _free_port()
-        self.supervisor.master_port = port
-        self.supervisor.generation = action.generation
-        frames = self.codec.sign(Kind.REFORM, meta={"generation": action.generation, "port": port})
-        for rank in action.ranks:
-            info = self.ranks[rank]
-            if info.state == RankState.RESPAWNING:
-                old = self.supervisor.procs.get(rank)
-                if old is not None and old.popen.poll() is None:
-                    self.supervisor.kill_proc(old)  # never two processes for one rank
-                self._spawn(info)
-                info.state = RankState.RESPAWNING
-                self._event(info, "respawned", f"generation {action.generation}")
-            elif info.state in (RankState.READY, RankState.BUSY):
-                # queued behind the rank's current call: a survivor stuck in a
-                # collective with the dead rank fails out of it first (gloo
-                # errors within ~0.2 s), then re-forms
-                self.io.send(info.main_id, frames)
-                if info.state == RankState.BUSY:
-                    self.awaiting_reform[rank] = time.monotonic() + REFORM_GRACE_S
-        self.events.append(Event(time.time(), -1, 0, "reformed",
-                                 f"generation {action.generation}, ranks {list(action.ranks)}"))
-
-    def _replay_setup(self, info: RankInfo) -> None:
-        """Send the recorded --setup cells to a respawned rank, in order,
-        ahead of any deferred call (its main socket is first in, first out)."""
-        for cell in self.setup_cells:
-            call_id = next(self._call_ids)
-            future = MeshFuture(call_id, (info.rank,), self.interrupt)
-            out = self.default_output or CallOutput()
-            call = PendingCall(call_id, (info.rank,), out, future, {info.rank})
-            self.calls[call_id] = call
-
-            def report(fut: MeshFuture, rank: int = info.rank, name: str = cell["name"]) -> None:
-                if fut.exception() is not None:
-                    self._event(self.ranks[rank], "setup_failed", f"{name}: {fut.exception()}")
-                    self._announce(f"monarch_nb: replaying setup cell {name} on rank {rank} "
-                                   f"failed: {str(fut.exception()).splitlines()[-1]}")
-
-            future.add_done_callback(report)
-            self.io.send(info.main_id, self.codec.sign(Kind.EXEC, call=call_id, meta=cell))
-
-    def _replace_stuck(self, rank: int) -> None:
-        """An elastic survivor that did not answer the re-formation is stuck
-        in a collective with a peer that left (gloo does not always fail it).
-        Replace its process in the current generation; like a respawned rank
-        it takes the state from a live peer, so nothing is lost."""
-        self.awaiting_reform.pop(rank, None)
-        info = self.ranks[rank]
-        old = self.supervisor.procs.get(rank)
-        if old is None or info.state not in (RankState.READY, RankState.BUSY):
-            return
-        self.supervisor.kill_proc(old)
-        for call in self.calls.values():
-            if rank in call.remaining:
-                call.held.pop(rank, None)
-                call.chunks_seen.pop(rank, None)
-                if call.elastic:
-                    call.reissue.add(rank)
-                else:
-                    call.remaining.discard(rank)
-                    call.errors[rank] = MembershipChanged(rank, (), "replaced: stuck in a "
-                                                         "collective after a member died")
-        info.incarnation = self.policy.replace(rank)
-        info.state = RankState.RESPAWNING
-        self._spawn(info)
-        info.state = RankState.RESPAWNING
-        self._event(info, "replaced", f"stuck in a collective; joins generation {self.generation}")
-        self._announce(f"monarch_nb: rank {rank} was stuck in a collective after the group "
-                       f"changed; replaced it (incarnation {info.incarnation})")
-        for call in list(self.calls.values()):
-            self._maybe_finish(call)
-
-    def _reissue(self, info: RankInfo) -> None:
-        """Elastic calls that lost this rank run again on its new process
-        (after the setup replay: the main socket is first in, first out)."""
-        for call in list(self.calls.values()):
-            if info.rank in call.reissue:
-                call.reissue.discard(info.rank)
-                info.state = RankState.BUSY
-                self.io.send(info.main_id, call.frames)
-
-    def _fail_reissues(self, info: RankInfo) -> None:
-        for call in list(self.calls.values()):
-            if info.rank in call.reissue:
-                call.reissue.discard(info.rank)
-                call.remaining.discard(info.rank)
-                call.errors[info.rank] = self._died(info)
-                self._maybe_finish(call)
-
-    def _run_deferred(self) -> None:
-        pending, self.deferred = self.deferred, []
-        for go in pending:
-            go()  # re-defers itself if a target is still respawning
-
     def _announce(self, line: str) -> None:
         for call in self.calls.values():
             call.output.note(line)
         if self.announce is not None:
             self.announce(line)
-
     def _died(self, info: RankInfo) -> RankDied:
         return RankDied(info.rank, info.exitcode if (info.exitcode or 0) >= 0 else None,
                         signal_name(info.exitcode), tuple(self.supervisor.tail(info.rank, 8)),

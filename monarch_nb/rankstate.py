@@ -1,0 +1,103 @@
+"""The controller's bookkeeping types: rank states, rank records, events,
+calls in flight. Plain data, shared by controller.py and recovery.py.
+
+Non-goals: behaviour (controller.py, recovery.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import signal as signal_mod
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .futures import MeshFuture
+from .output import CallOutput
+from .protocol import Message
+
+
+class RankState(str, enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    BUSY = "busy"
+    RESPAWNING = "respawning"  # a new process is on its way (calls to it wait)
+    DEAD = "dead"  # respawn off: stays dead
+    FAILED = "failed"  # restart budget spent
+    STOPPED = "stopped"
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    incarnation: int = 0
+    token: str = ""  # random part of the socket identities of this incarnation
+    state: RankState = RankState.STARTING
+    pid: int | None = None
+    device: str = ""
+    host: str = ""
+    last_heartbeat: float = 0.0
+    exitcode: int | None = None
+    silent_for: float | None = None  # killed by us for missing heartbeats
+    start_error: str = ""
+    started_at: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None
+
+    @property
+    def identity(self) -> str:
+        return f"r{self.rank}.{self.incarnation}.{self.token}"
+
+    @property
+    def main_id(self) -> bytes:
+        return f"{self.identity}.main".encode()
+
+    @property
+    def ctl_id(self) -> bytes:
+        return f"{self.identity}.ctl".encode()
+
+
+@dataclass
+class Event:
+    """One entry of ``mesh.events``: something that happened to a rank."""
+
+    time: float
+    rank: int
+    incarnation: int
+    kind: str  # started | ready | died | stopped | failed_start
+    detail: str = ""
+
+
+@dataclass
+class PendingCall:
+    call_id: int
+    ranks: tuple[int, ...]
+    output: CallOutput
+    future: MeshFuture
+    remaining: set[int]
+    results: dict[int, Any] = field(default_factory=dict)
+    errors: dict[int, BaseException] = field(default_factory=dict)
+    chunks_seen: dict[int, int] = field(default_factory=dict)
+    held: dict[int, Message] = field(default_factory=dict)  # RESULT waiting for chunks
+    setup: dict[str, Any] | None = None  # a --setup cell: recorded once it succeeded
+    elastic: bool = False  # survive deaths: re-issued on the respawned rank
+    frames: list[Any] = field(default_factory=list)  # kept for re-issue (elastic only)
+    reissue: set[int] = field(default_factory=set)  # ranks waiting for their new process
+
+
+REFORM_GRACE_S = 3.0  # an elastic survivor must answer a re-formation within this
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def signal_name(code: int | None) -> str | None:
+    if code is None or code >= 0:
+        return None
+    try:
+        return signal_mod.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
