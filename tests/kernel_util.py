@@ -64,11 +64,17 @@ class KernelSession:
                 continue
             self._apply(res, msg)
             if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-                while True:  # skip replies to other requests (kernel_info polls)
-                    reply = self.kc.get_shell_msg(timeout=10)
-                    if reply["parent_header"].get("msg_id") == msg_id:
-                        res.status = reply["content"]["status"]
-                        return res
+                res.status = self.reply_status(msg_id, deadline)
+                return res
+
+    def reply_status(self, msg_id: str, deadline: float) -> str:
+        """Status of ``msg_id``'s execute_reply, skipping replies to other
+        requests (jupyter_client's wait_for_ready leaves kernel_info replies
+        queued on a loaded machine)."""
+        while True:
+            reply = self.kc.get_shell_msg(timeout=max(deadline - time.monotonic(), 10.0))
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return str(reply["content"]["status"])
 
     def run(self, code: str, timeout: float = 120.0) -> CellResult:
         return self.collect(self.execute(code), timeout)

@@ -20,7 +20,6 @@ import pytest
 
 from .conftest import wait_for, worker_pids
 from .kernel_util import KernelSession
-from .test_magics import MatchedKernelSession
 
 pytestmark = pytest.mark.kernel
 
@@ -78,7 +77,7 @@ def _sigkill(ks: KernelSession) -> None:
                          ids=["monarch-stop", "kernel-restart", "kernel-shutdown",
                               "kernel-sigkill"])
 def test_ranks_end_within_5s(action: Callable[[KernelSession], None]) -> None:
-    ks = MatchedKernelSession()
+    ks = KernelSession()
     kernel_pid = ks.pid
     pids: list[int] = []
     try:

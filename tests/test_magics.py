@@ -36,48 +36,10 @@ MAGICS = "get_ipython().find_magic('monarch').__self__"
 
 
 # -- fixtures and helpers -------------------------------------------------------------
-class MatchedKernelSession(KernelSession):
-    """KernelSession whose ``collect`` takes the execute_reply *of this cell*.
-
-    ``KernelSession.collect`` takes whatever shell message comes next. On a
-    loaded machine ``jupyter_client``'s ``wait_for_ready`` sends several
-    kernel_info requests (one per second until a reply arrives) and leaves the
-    extra replies queued on the shell channel, so every later cell would read
-    an earlier cell's status. Here replies are matched by parent msg_id.
-    """
-
-    def collect(self, msg_id: str, timeout: float = 120.0) -> CellResult:
-        res = CellResult(msg_id)
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"cell {msg_id} did not finish in {timeout} s; so far: {res}")
-            try:
-                msg = self.kc.get_iopub_msg(timeout=min(left, 1.0))
-            except queue.Empty:
-                continue
-            parent = msg["parent_header"].get("msg_id")
-            if parent != msg_id:
-                self.late.setdefault(parent, []).append(msg)
-                continue
-            self._apply(res, msg)
-            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-                res.status = self.reply_status(msg_id, deadline)
-                return res
-
-    def reply_status(self, msg_id: str, deadline: float) -> str:
-        while True:
-            left = max(deadline - time.monotonic(), 10.0)
-            reply = self.kc.get_shell_msg(timeout=left)
-            if reply["parent_header"].get("msg_id") == msg_id:
-                return str(reply["content"]["status"])
-
-
 @pytest.fixture(scope="module")
 def kernel() -> Iterator[KernelSession]:
     """A kernel with ``%load_ext monarch_nb`` and no mesh yet."""
-    ks = MatchedKernelSession()
+    ks = KernelSession()
     try:
         r = ks.run("%load_ext monarch_nb")
         assert r.status == "ok", r
@@ -501,7 +463,7 @@ def test_megabytes_of_output_are_truncated(mesh: KernelSession) -> None:
         elif kind == "error":
             error = content
         elif kind == "status" and content["execution_state"] == "idle":
-            assert isinstance(mesh, MatchedKernelSession)
+            assert isinstance(mesh, KernelSession)
             status = mesh.reply_status(msg_id, time.monotonic() + 10)
             break
     # whatever happened, the next cell must work (the ranks stay usable)
