@@ -75,6 +75,9 @@ class Kind(str, enum.Enum):
     STACKS_REPLY = "stacks_reply"
     REFORM = "reform"  # leave the group, join generation g on a new port (meta: generation, port)
     REFORMED = "reformed"  # answer to REFORM (meta: generation, error)
+    METRICS = "metrics"  # batched mnb.log points (payload: JSON [[step, t, {name: value}], ...])
+    INPUT = "input"  # a line typed for a rank's debugger (meta: text)
+    PROMPT = "prompt"  # a rank's debugger waits for a line (meta: prompt, text before it)
 
 
 _CODES = {k: i for i, k in enumerate(Kind)}
