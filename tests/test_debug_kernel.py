@@ -104,6 +104,14 @@ def test_hang_watchdog_prints_stacks_into_the_running_cell(ks: KernelSession) ->
     assert "3.0" in r.text
 
 
+def test_functions_from_cells_bring_their_source(ks: KernelSession) -> None:
+    r = ks.run("def boom(x):\n    return x.missing_attribute\n")
+    assert r.status == "ok"
+    r = ks.run(f"{MAGICS}.mesh.ranks(0).run(boom, 3)")
+    assert r.status == "error" and "AttributeError" in r.traceback
+    assert "return x.missing_attribute" in r.traceback  # the cell line, shown by the rank
+
+
 def test_logs_of_a_rank(ks: KernelSession) -> None:
     assert ks.run("%%monarch --ranks 2\nprint('hello from the log')").status == "ok"
     r = ks.run("%monarch logs 2 --tail 5")
