@@ -159,6 +159,25 @@ def test_breakpoints_are_served_one_rank_at_a_time(mesh3: Mesh,
     assert mesh3.run(lambda: "fine") == {0: "fine", 1: "fine", 2: "fine"}
 
 
+def test_native_frames_through_py_spy(mesh3: Mesh) -> None:
+    import shutil
+    import sys
+    from pathlib import Path
+
+    if not (shutil.which("py-spy") or (Path(sys.executable).parent / "py-spy").exists()):
+        pytest.skip("py-spy is not installed (it is in the dev extra)")
+    fut = mesh3.ranks(0).exec("import time\ndef in_c_sleep():\n    time.sleep(30)\nin_c_sleep()\n",
+                              name="<mnb-cell-11>", block=False)
+    wait_for(lambda: "in_c_sleep" in mesh3.stacks("0")[0].where(), timeout=20, what="sleeping")
+    st = mesh3.stacks("0", native=True)
+    native = st[0].native
+    assert "clock_nanosleep" in native or "time_sleep" in native, native
+    assert "in_c_sleep (<mnb-cell-11>:3)" in native, native
+    assert "native (py-spy):" in st.render()
+    fut.cancel()
+    mesh3.stop()
+
+
 def test_logs_cover_earlier_incarnations(mesh3: Mesh) -> None:
     mesh3.ranks(2).exec("print('before the kill')")
     mesh3.kill(2)
