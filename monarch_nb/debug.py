@@ -114,6 +114,11 @@ class RelayStdin(io.TextIOBase):
                 text = self._answers.get(timeout=0.2)
             except queue.Empty:
                 continue
+            except KeyboardInterrupt:
+                # The call was interrupted while its debugger waited: end of
+                # input makes pdb quit (it would catch the interrupt and ask
+                # again forever) and input() raise EOFError, so the call ends.
+                return ""
             if text == "\x04":  # end of input (the user's Ctrl-D, or no front end)
                 return ""
             return text if text.endswith("\n") else text + "\n"
@@ -124,6 +129,15 @@ class RelayStdin(io.TextIOBase):
     @property
     def encoding(self) -> str:  # type: ignore[override]
         return "utf-8"
+
+
+def breakpointhook(*args: Any, **kwargs: Any) -> None:
+    """``breakpoint()`` on a rank: pdb in the caller's frame, without pdb's
+    own SIGINT handler (the notebook's interrupt button must keep raising
+    KeyboardInterrupt in the cell, not open the debugger)."""
+    import pdb
+
+    pdb.Pdb(nosigint=True).set_trace(sys._getframe(1))
 
 
 def post_mortem() -> None:
@@ -146,4 +160,6 @@ def post_mortem() -> None:
     while tb.tb_next is not None and _is_machinery(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     print(f"post-mortem of {type(exc).__name__}: {exc}  (type 'q' or 'c' to leave)")
-    pdb.post_mortem(tb)
+    debugger = pdb.Pdb(nosigint=True)
+    debugger.reset()
+    debugger.interaction(None, tb)

@@ -107,8 +107,10 @@ class Worker:
         sys.stdout = RankStream("stdout", self.output, log)
         sys.stderr = RankStream("stderr", self.output, sys.__stderr__)
         sys.stdin = self.stdin  # pdb, breakpoint() and input() ask the notebook
+        sys.breakpointhook = debug.breakpointhook
         sys.modules["__main__"] = self.user_module
-        signal.signal(signal.SIGINT, self._on_sigint)
+        self._sigint = self._on_sigint  # one bound method, compared after each call
+        signal.signal(signal.SIGINT, self._sigint)
         threading.Thread(target=self._control_loop, name=debug.CONTROL_THREAD, daemon=True).start()
         try:
             device = init_group(env.backend, env.rank, env.world_size, env.master_addr,
@@ -165,6 +167,9 @@ class Worker:
             finally:
                 self.finished.append(call)  # before running_call drops: see _control
                 self.running_call = 0
+                if signal.getsignal(signal.SIGINT) is not self._sigint:
+                    # pdb.set_trace() installs pdb's own handler on "c"
+                    signal.signal(signal.SIGINT, self._sigint)
         except BaseException as exc:  # the rank survives whatever the user code does
             ok, error = False, self._describe(exc)
             # kept for %monarch debug, as the interactive interpreter keeps it

@@ -159,6 +159,21 @@ def test_breakpoints_are_served_one_rank_at_a_time(mesh3: Mesh,
     assert mesh3.run(lambda: "fine") == {0: "fine", 1: "fine", 2: "fine"}
 
 
+def test_interrupt_at_a_debugger_prompt_ends_the_call(mesh3: Mesh) -> None:
+    def interrupt(prompt: str) -> str:
+        raise KeyboardInterrupt
+
+    mesh3._ctl.ask = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        mesh3.ranks(1).exec("x = 1\nbreakpoint()\nx = 2\n", name="<mnb-cell-12>")
+    mesh3._ctl.ask = Script()
+    # the rank left pdb and takes calls; pdb left no SIGINT handler behind
+    assert mesh3.ranks(1).run(lambda: 3, timeout=30) == {1: 3}
+    assert mesh3.ranks(1).exec("import pdb\npdb.set_trace()\ny = 5\ny") == {1: 5}
+    handler = mesh3.ranks(1).exec("import signal\nsignal.getsignal(signal.SIGINT).__name__")
+    assert handler == {1: "_on_sigint"}
+
+
 def test_native_frames_through_py_spy(mesh3: Mesh) -> None:
     import shutil
     import sys
