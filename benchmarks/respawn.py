@@ -60,7 +60,8 @@ def main() -> None:
     a = p.parse_args()
 
     out: dict[str, list[float]] = {"cold_start_s": [], "detect_sigkill_ms": [],
-                                   "detect_sigstop_s": [], "kill_to_ready_s": []}
+                                   "detect_sigstop_s": [], "kill_to_ready_s": [],
+                                   "spare_ready": []}
     t = time.monotonic()
     mesh = Mesh.start(n=a.ranks, backend="cpu")
     out["cold_start_s"].append(time.monotonic() - t)
@@ -68,7 +69,11 @@ def main() -> None:
         mesh.run(_sum)
         for i in range(a.repeat):
             rank = 1 + i % max(1, a.ranks - 1)
-            # SIGKILL: detection and kill-to-ready
+            # SIGKILL: detection and kill-to-ready. A settled mesh keeps a
+            # spare process with torch imported (spare.py); wait for it, as a
+            # mesh that has been running for a few seconds has one.
+            spare = _wait(lambda: mesh._ctl.supervisor.spare_ready(), timeout=30)
+            out["spare_ready"].append(float(bool(spare)))
             before = len(mesh.events)
             pid = mesh.status()[rank]["pid"]
             t_wall, t0 = time.time(), time.monotonic()

@@ -61,6 +61,10 @@ class MeshConfig:
         long exits (the second line of defence after the parent-death signal).
     start_timeout: seconds for every rank to report ready.
     max_message_bytes: larger inbound messages are dropped unread.
+    spare: keep one spare rank process with torch already imported, so a
+        respawn skips the new interpreter's ``import torch`` (local launcher).
+        It starts a few seconds after the mesh is settled and costs one idle
+        process's memory.
     hang_timeout: a call that shows no progress (no output, metric or result)
         for this many seconds gets the grouped stacks of its ranks printed
         into its cell, once; ``None`` or 0 turns the watchdog off. Calls can set
@@ -79,6 +83,7 @@ class MeshConfig:
     start_timeout: float = 120.0
     max_message_bytes: int = 4 << 30
     hang_timeout: float | None = 60.0
+    spare: bool = True
     extra_env: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:

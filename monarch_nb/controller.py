@@ -41,7 +41,7 @@ from typing import Any
 from . import serialize
 from .backends import BackendInfo
 from .config import MeshConfig
-from .errors import MembershipChanged, MonarchError, RankDied, RankErrors, RemoteError, is_peer_loss
+from .errors import MonarchError, RankDied, RankErrors, RemoteError
 from .futures import MeshFuture
 from .inspector import Inspector
 from .output import CallOutput
@@ -104,6 +104,7 @@ class Controller(Inspector, Recovery):
         self.started = False
         self.stopped = False
         self.announce: Callable[[str], None] | None = None
+        self.settled_at = time.monotonic()  # last start, death or respawn
         self._init_inspector()
 
     # -- life cycle -------------------------------------------------------------
@@ -361,6 +362,7 @@ class Controller(Inspector, Recovery):
             info.state = RankState.READY
             info.device = str(msg.meta.get("device", ""))
             info.ready_at = time.monotonic()
+            self.settled_at = info.ready_at
             self._event(info, "ready", info.device)
             if self.started:  # a respawned rank
                 self.policy.handle(Ready(info.rank, info.ready_at))
@@ -460,16 +462,6 @@ class Controller(Inspector, Recovery):
 
             future.set_result(RankResults(call.results))
 
-    def _classify_membership(self, call: PendingCall) -> None:
-        """Survivors cut short in a collective by a death get MembershipChanged
-        instead of a raw gloo/nccl error."""
-        dead = [r for r, e in call.errors.items() if isinstance(e, RankDied)]
-        if not dead:
-            return
-        for rank, err in list(call.errors.items()):
-            if isinstance(err, RemoteError) and _looks_like_peer_loss(err):
-                call.errors[rank] = MembershipChanged(rank, dead, err.message.splitlines()[0][:200])
-
     # -- I/O thread: deaths and ticks --------------------------------------------------
     def _on_exit(self, rank: int, proc: Any = None) -> None:
         info = self.ranks[rank]
@@ -479,6 +471,7 @@ class Controller(Inspector, Recovery):
         if code is None or info.state in (RankState.DEAD, RankState.FAILED, RankState.STOPPED):
             return
         info.exitcode = code
+        self.settled_at = time.monotonic()
         was_starting = info.state == RankState.STARTING and not self.started
         info.state = RankState.DEAD
         detail = self.describe_exit(code)
@@ -536,6 +529,7 @@ class Controller(Inspector, Recovery):
                 info.silent_for = silent
                 self.supervisor.signal(info.rank, signal_mod.SIGKILL)
         self._inspector_tick(now)
+        self._keep_spare(now)
         deadline = self.policy.next_deadline()
         if deadline is not None and deadline <= now:
             self._apply(self.policy.handle(Timer(now)))
@@ -592,7 +586,3 @@ def _output_items(frame: Any) -> list[tuple[str, str]]:
         return [(str(stream), str(text)) for stream, text in items]
     except (ValueError, TypeError):
         return [("stderr", "[monarch_nb: unreadable output chunk dropped]\n")]
-
-
-def _looks_like_peer_loss(err: RemoteError) -> bool:
-    return is_peer_loss(f"{err.type_name} {err.message}")

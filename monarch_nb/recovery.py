@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from .errors import MembershipChanged
+from .errors import MembershipChanged, RankDied, RemoteError, is_peer_loss
 from .futures import MeshFuture
 from .output import CallOutput
 from .policy import GiveUp, Kill, Reform, Report, Respawn, RestartRequested
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     _Base = Controller
 else:
     _Base = object
+
+
+SPARE_DELAY_S = 2.0  # settled this long before a spare process is started
 
 
 class Recovery(_Base):
@@ -169,3 +172,24 @@ class Recovery(_Base):
         pending, self.deferred = self.deferred, []
         for go in pending:
             go()  # re-defers itself if a target is still respawning
+
+    def _keep_spare(self, now: float) -> None:
+        """Start a spare process once the mesh has been settled for a while:
+        not during start-up or a recovery, whose CPU it would slow."""
+        sup = self.supervisor
+        if sup.spare is not None and sup.spare.poll() is not None:
+            sup.spare = None  # it died (out of memory?); another one later
+        if (self.cfg.spare and self.started and sup.spare is None
+                and now - self.settled_at >= SPARE_DELAY_S
+                and all(r.state in (RankState.READY, RankState.BUSY) for r in self.ranks)):
+            sup.start_spare()
+
+    def _classify_membership(self, call: PendingCall) -> None:
+        """Survivors cut short in a collective by a death get MembershipChanged
+        instead of a raw gloo/nccl error."""
+        dead = [r for r, e in call.errors.items() if isinstance(e, RankDied)]
+        if not dead:
+            return
+        for rank, err in list(call.errors.items()):
+            if isinstance(err, RemoteError) and is_peer_loss(f"{err.type_name} {err.message}"):
+                call.errors[rank] = MembershipChanged(rank, dead, err.message.splitlines()[0][:200])

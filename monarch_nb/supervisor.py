@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from . import config
+from . import config, spare
 from .backends import BackendInfo, pin_env
 
 
@@ -63,6 +63,9 @@ class Supervisor:
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="monarch-nb-"))
     procs: dict[int, RankProcess] = field(default_factory=dict)
     history: list[RankProcess] = field(default_factory=list)
+    spare: subprocess.Popen[bytes] | None = None  # torch imported, waiting (spare.py)
+    spare_log: str = ""
+    _spares: int = 0
 
     def __post_init__(self) -> None:
         os.chmod(self.log_dir, 0o700)
@@ -98,24 +101,50 @@ class Supervisor:
         pin_env(self.backend, rank, env)
         return env
 
+    def start_spare(self) -> None:
+        """Start a spare process for the next respawn (see spare.py)."""
+        if self.spare is not None and self.spare.poll() is None:
+            return
+        env = dict(os.environ)
+        env.pop(config.ENV_KEY_FILE, None)
+        env.pop(config.ENV_KEY, None)
+        env.update({config.ENV_PARENT_PID: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
+        self._spares += 1
+        self.spare_log = os.path.join(self.log_dir, f"spare{self._spares}.log")
+        self.spare = spare.start(env, self.spare_log)
+
+    def spare_ready(self) -> bool:
+        """A spare is waiting with torch imported (the next respawn is fast)."""
+        return (self.spare is not None and self.spare.poll() is None
+                and spare.is_waiting(self.spare_log))
+
     def spawn(self, rank: int, incarnation: int, identity: str) -> RankProcess:
         log_path = os.path.join(self.log_dir, f"rank{rank}.{incarnation}.log")
-        log = open(log_path, "ab", buffering=0)
-        try:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "monarch_nb.worker"],
-                env=self.env_for(rank, incarnation, identity),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                # Own session: the terminal's / Jupyter's SIGINT to the kernel's
-                # process group must not hit ranks directly; interrupts go
-                # through the controller, to the call they are meant for.
-                start_new_session=True,
-                close_fds=True,
-            )
-        finally:
-            log.close()
+        env = self.env_for(rank, incarnation, identity)
+        popen = None
+        if self.spare is not None:  # a waiting spare becomes this rank at once
+            candidate, self.spare = self.spare, None
+            if spare.assign(candidate, env, log_path):
+                popen = candidate
+            else:
+                spare.discard(candidate)
+        if popen is None:
+            log = open(log_path, "ab", buffering=0)
+            try:
+                popen = subprocess.Popen(
+                    [sys.executable, "-m", "monarch_nb.worker"],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    # Own session: the terminal's / Jupyter's SIGINT to the kernel's
+                    # process group must not hit ranks directly; interrupts go
+                    # through the controller, to the call they are meant for.
+                    start_new_session=True,
+                    close_fds=True,
+                )
+            finally:
+                log.close()
         proc = RankProcess(rank, incarnation, popen, log_path)
         from .transport import pidfd_open
 
@@ -204,6 +233,9 @@ class Supervisor:
         controller; whoever is still alive after ``grace`` gets SIGKILL —
         including any child processes the user's code started."""
         alive = []
+        if self.spare is not None:
+            spare.discard(self.spare)
+            self.spare = None
         for proc in [p for p in self.history if p.popen.poll() is None]:
             try:
                 p = psutil.Process(proc.pid)

@@ -38,7 +38,7 @@ from typing import Any
 
 import zmq
 
-from . import _context, debug, serialize
+from . import _context, config, debug, serialize, spare
 from .backends import init_group
 from .capture import OutputBuffer, RankStream
 from .config import RankEnv
@@ -409,10 +409,13 @@ def describe_frame(frame: Any) -> str:
 
 
 def main() -> None:
-    env = RankEnv.from_environ()
     _set_parent_death_signal()
-    if env.parent_pid and os.getppid() != env.parent_pid:
+    parent = os.environ.get(config.ENV_PARENT_PID)
+    if parent and os.getppid() != int(parent):
         os._exit(3)  # the controller died before we could arm the death signal
+    if os.environ.get(spare.ENV_SPARE):
+        spare.wait_for_assignment()  # torch imported ahead of need (spare.py)
+    env = RankEnv.from_environ()
     worker = Worker(env)
     worker.start()
     profile_path = os.environ.get("MONARCH_NB_PROFILE")  # developer aid: cProfile the rank

@@ -1,0 +1,104 @@
+"""A spare rank process: started ahead of need, torch already imported,
+waiting to be told which rank it is.
+
+Respawning a rank is dominated by the new interpreter's ``import torch``
+(over a second on a small machine). The local supervisor therefore keeps one
+spare: a fresh interpreter (never a fork of anything that touched CUDA) that
+imports torch and ``torch.distributed`` and then blocks reading one line from
+its stdin pipe. When a rank dies, the supervisor writes that rank's
+environment (rank, incarnation, identity, key, device pinning...) and log file
+to the pipe; the spare applies them and carries on as an ordinary worker,
+joining the new group at once.
+
+Why this is safe on GPUs: ``import torch`` does not initialise CUDA or HIP;
+the device pinning variables are read when the runtime initialises, which
+happens after the assignment, like in a rank started from scratch.
+
+The key reaches the spare through the pipe, never argv. A spare whose parent
+dies gets the parent-death signal, and end of file on its pipe (the
+supervisor closing it, or dying) makes it exit.
+
+Non-goals: when to keep a spare (controller), spawning ranks (supervisor).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import IO
+
+ENV_SPARE = "MONARCH_NB_SPARE"  # set in a spare's environment: wait for an assignment
+WAITING = "monarch_nb spare: torch imported, waiting for a rank"  # written to its log
+
+
+def is_waiting(log_path: str) -> bool:
+    """The spare behind ``log_path`` has imported torch and waits."""
+    try:
+        with open(log_path, "rb") as f:
+            return WAITING.encode() in f.read(4096)
+    except OSError:
+        return False
+
+
+def start(env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:
+    """Start a spare (on the supervisor's thread: see supervisor.py on why)."""
+    env = {**env, ENV_SPARE: "1"}
+    with open(log_path, "ab", buffering=0) as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "monarch_nb.worker"],
+            env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, close_fds=True,
+        )
+
+
+def assign(popen: subprocess.Popen[bytes], env: dict[str, str], log_path: str) -> bool:
+    """Make a waiting spare rank ``env``; False if it is gone."""
+    if popen.poll() is not None or popen.stdin is None:
+        return False
+    line = json.dumps({"env": env, "log": log_path}).encode() + b"\n"
+    try:
+        popen.stdin.write(line)
+        popen.stdin.close()
+    except OSError:  # it died just now
+        return False
+    return True
+
+
+def discard(popen: subprocess.Popen[bytes]) -> None:
+    """End a spare nobody needs (end of file on its pipe, then SIGKILL)."""
+    try:
+        if popen.stdin is not None:
+            popen.stdin.close()
+    except OSError:
+        pass
+    if popen.poll() is None:
+        try:
+            popen.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait(timeout=5.0)
+
+
+def wait_for_assignment(stdin: IO[bytes] | None = None) -> None:
+    """Rank side, in a spare: import torch, then wait for the assignment and
+    apply it (environment, and stdout/stderr to the rank's log)."""
+    import torch  # the point of a spare
+    import torch.distributed  # noqa: F401
+
+    print(WAITING, flush=True)
+    stream = stdin or sys.stdin.buffer
+    line = stream.readline()
+    if not line:
+        os._exit(0)  # closed without an assignment: not needed any more
+    assignment = json.loads(line)
+    os.environ.update({str(k): str(v) for k, v in assignment["env"].items()})
+    os.environ.pop(ENV_SPARE, None)
+    fd = os.open(assignment["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
