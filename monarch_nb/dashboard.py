@@ -26,6 +26,7 @@ Non-goals: deciding what changed (dashfeed.py), the series (metricstore.py).
 from __future__ import annotations
 
 import pathlib
+import secrets
 import threading
 import time
 from typing import Any
@@ -41,9 +42,10 @@ _STATIC = pathlib.Path(__file__).parent / "static"
 class Dashboard(anywidget.AnyWidget):
     _esm = _STATIC / "dashboard.js"
     world_size = traitlets.Int(0).tag(sync=True)
+    uid = traitlets.Unicode("").tag(sync=True)  # keys the views' shared data in the browser
 
     def __init__(self, mesh: Any, max_hz: float | None = None) -> None:
-        super().__init__(world_size=mesh.world_size)
+        super().__init__(world_size=mesh.world_size, uid=secrets.token_hex(8))
         self.mesh = mesh
         self.feed = Feed(mesh._ctl.metrics, mesh.status, lambda: mesh.events)
         self.throttle = Throttle(max_hz) if max_hz else Throttle()
@@ -124,8 +126,8 @@ _dashboards: dict[int, Dashboard] = {}
 def dashboard_for(mesh: Any) -> Dashboard:
     """The mesh's dashboard, created on first use (one per mesh: every
     display of it is a view of the same data)."""
-    for key, board in list(_dashboards.items()):  # forget stopped meshes' boards
-        if not board.mesh.running and board.mesh is not mesh:
+    for key, old in list(_dashboards.items()):  # forget stopped meshes' boards
+        if not old.mesh.running and old.mesh is not mesh:
             del _dashboards[key]
     board = _dashboards.get(id(mesh))
     if board is None or board.mesh is not mesh or board.comm is None:

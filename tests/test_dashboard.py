@@ -102,7 +102,7 @@ def test_dashboard_updates_during_a_blocking_cell(ks: KernelSession) -> None:
     got: dict[tuple[int, str], list[int]] = {}
     for u in updates:
         assert u["t"] == "delta"
-        for rank, name, steps, values in u.get("series", []):
+        for rank, name, steps, _values in u.get("series", []):
             got.setdefault((rank, name), []).extend(steps)
     assert got == {(r, n): list(range(60)) for r in (0, 1) for n in ("loss", "lr")}
     assert any(u.get("names") == ["loss", "lr"] for u in updates)

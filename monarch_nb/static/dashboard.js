@@ -3,7 +3,7 @@
 // The kernel sends custom messages (see monarch_nb/dashfeed.py):
 //   {t: "snapshot", world, series: [[rank, name, steps, values]], tiles, events, names}
 //   {t: "delta", series?, cuts?, tiles?, events?, names?, state?}
-// Data lives on the model (shared by every view of the widget); views redraw
+// Data lives per widget (shared by its views); views redraw
 // at most once per animation frame, only when something changed.
 // Series ordering rules match metricstore.py: append above the last step,
 // replace an equal step, insert a lower one; a cut drops steps >= s.
@@ -26,7 +26,8 @@ const CSS = `
 .mnb-tiles { display: grid; grid-template-columns: repeat(auto-fill, minmax(170px, 1fr)); gap: 6px; }
 .mnb-tiles.compact { grid-template-columns: repeat(auto-fill, minmax(70px, 1fr)); gap: 3px; }
 .mnb-tile { border-left: 6px solid #9e9e9e; background: var(--jp-layout-color2, #f5f5f5);
-  padding: 4px 6px; border-radius: 3px; cursor: pointer; overflow: hidden; white-space: nowrap; }
+  padding: 4px 6px; border-radius: 3px; cursor: pointer; overflow: hidden; }
+.mnb-tile div { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 .mnb-tile.sel { outline: 2px solid #ff9800; }
 .mnb-tile .st { float: right; font-weight: 600; }
 .mnb-chart { width: 100%; height: 260px; display: block; margin-top: 8px;
@@ -35,6 +36,16 @@ const CSS = `
 .mnb-ev-died, .mnb-ev-gave_up, .mnb-ev-failed_start { color: #c62828; }
 .mnb-ev-respawned, .mnb-ev-ready { color: #2e7d32; }
 `;
+
+// Per widget (by its uid), shared by its views: anywidget hands each view
+// and initialize() a different model wrapper, so data cannot hang off it.
+const STORES = new Map();
+function dataFor(model) {
+  const id = model.get("uid");
+  let data = STORES.get(id);
+  if (!data) { data = newData(); STORES.set(id, data); }
+  return data;
+}
 
 function newData() {
   return { world: 0, state: "running", series: new Map(), tiles: new Map(), events: [],
@@ -116,13 +127,13 @@ function tileLines(t) {
       (t.hb ? ` · hb ${t.hb}s ago` : ""),
     `CPU ${num(t.cpu, "%")} · RSS ${bytes(t.rss)}`,
     gpu,
-    `${t.sps == null ? "-" : t.sps} steps/s` + (last ? ` · ${last}` : ""),
-  ].concat(t.exit ? [t.exit] : []);
+    `${t.sps == null ? "-" : t.sps} steps/s`,
+  ].concat(last ? [last] : [], t.exit ? [t.exit] : []);
 }
 
 // -- views ----------------------------------------------------------------------
 function render({ model, el }) {
-  const data = model._mnb || (model._mnb = newData());
+  const data = dataFor(model);
   const root = document.createElement("div");
   root.className = "mnb-dash";
   root.innerHTML = `<style>${CSS}</style>
@@ -161,7 +172,9 @@ function render({ model, el }) {
       div.style.borderLeftColor = STATE_COLOURS[t.state] || "#9e9e9e";
       div.classList.toggle("sel", chosen === rank);
       const lines = tileLines(t);
-      const head = `<b>rank ${rank}</b><span class="st" style="color:${STATE_COLOURS[t.state]}">${esc(t.state)}</span>`;
+      const swatch = data.world < BAND_MIN ?
+        `<span style="color:${LINE_COLOURS[rank % LINE_COLOURS.length]}">■</span> ` : "";
+      const head = `${swatch}<b>rank ${rank}</b><span class="st" style="color:${STATE_COLOURS[t.state]}">${esc(t.state)}</span>`;
       if (compact) {
         const v = metric && t.last && t.last[metric] !== undefined ? t.last[metric] : "";
         div.innerHTML = `${head}<div>${esc(v)}</div>`;
@@ -291,7 +304,7 @@ function render({ model, el }) {
 }
 
 function initialize({ model }) {
-  const data = model._mnb || (model._mnb = newData());
+  const data = dataFor(model);
   model.on("msg:custom", (msg) => apply(data, msg));
   model.send({ t: "hello" }); // a fresh model: ask for everything so far
 }
