@@ -34,6 +34,11 @@ from typing import Any
 from .errors import UsageError
 
 MAX_BUFFERED = 200_000  # points kept while nobody drains (oldest dropped)
+# Points per batch (the control thread sends one every 0.2 s): a loop that logs
+# faster than 5,000 steps a second per rank is thinned to every k-th step (the
+# newest always kept, ``thinned`` counts the rest), so a runaway log loop cannot
+# swamp the controller's I/O loop and starve heartbeats. No chart shows more.
+MAX_BATCH = 1000
 
 Point = tuple[int, float, dict[str, float]]
 
@@ -52,6 +57,7 @@ class MetricsBuffer:
         self._next_step = 0
         self.call = 0
         self.batches = 0  # batches the control thread took for ``call``
+        self.thinned = 0  # points left out of over-full batches (see MAX_BATCH)
 
     def log(self, step: int | None, metrics: dict[str, Any]) -> None:
         if step is None:
@@ -71,7 +77,13 @@ class MetricsBuffer:
     def _drain(self) -> list[Point]:
         q = self._q
         # popleft, not list()+clear(): an append between the two would be lost
-        return [q.popleft() for _ in range(len(q))]
+        points = [q.popleft() for _ in range(len(q))]
+        if len(points) > MAX_BATCH:
+            stride = -(-len(points) // MAX_BATCH)
+            kept = points[(len(points) - 1) % stride::stride]  # ends on the newest
+            self.thinned += len(points) - len(kept)
+            points = kept
+        return points
 
     def take(self) -> tuple[int, int, list[Point]] | None:
         """For the control thread: ``(call, batch number, points)``, or None.

@@ -85,7 +85,19 @@ def test_batches_during_a_call_are_counted_exactly() -> None:
     assert n == len(counted) and [b[1] for b in counted] == list(range(n))
     steps = [p[0] for b in counted for p in b[2]] + [p[0] for p in rest]
     steps += [p[0] for b in taken if b[0] == 0 for p in b[2]]
-    assert sorted(steps) == list(range(20000))  # nothing lost, nothing twice
+    # nothing twice, nothing lost but what over-full batches thinned (counted)
+    assert len(set(steps)) == len(steps) and 19999 in steps
+    assert len(steps) + buf.thinned == 20000
+
+
+def test_a_runaway_log_loop_is_thinned_not_queued_without_bound() -> None:
+    buf = MetricsBuffer()
+    for i in range(10_000):
+        buf.log(None, {"x": float(i)})
+    _, _, points = buf.take()  # type: ignore[misc]
+    steps = [p[0] for p in points]
+    assert len(steps) <= mnb.metrics.MAX_BATCH and steps[-1] == 9999 and steps == sorted(steps)
+    assert buf.thinned == 10_000 - len(steps)
 
 
 def test_wire_format_is_json_and_keeps_nan() -> None:
