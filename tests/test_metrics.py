@@ -249,3 +249,14 @@ def test_tile_is_json_safe() -> None:
     t = tile(row)
     assert t["last"] == {"loss": "nan"} and t["hb"] == 7
     json.dumps(t, allow_nan=False)
+
+
+def test_health_probe_without_a_gpu_reports_cpu_and_rss_only() -> None:
+    from monarch_nb.health import HealthProbe
+    from monarch_nb.metricstore import health_fields
+
+    h = HealthProbe().read()
+    assert h["rss"] > 0 and h["cpu"] >= 0
+    assert not {"mem", "mem_total", "util", "temp", "power"} & set(h)  # n/a, no error
+    row = health_fields(h)
+    assert row["gpu_mem_total"] is None and row["gpu_util"] is None and row["rss"] == h["rss"]
