@@ -10,6 +10,9 @@ call the main thread takes the rest itself and sends it before the RESULT,
 and the RESULT counts the batches the control thread sent during the call,
 so the controller holds the result until every point of the call is in.
 
+Each point is stamped with the time its batch was taken (within 0.2 s of
+the call): no clock read on the caller's thread.
+
 Steps: ``step=None`` means "the previous step + 1" (0 for the first call of
 this process); log every metric of one step in one call. Values must be real
 numbers (a 0-d tensor is converted with ``float()`` at once, which waits for
@@ -40,7 +43,7 @@ MAX_BUFFERED = 200_000  # points kept while nobody drains (oldest dropped)
 # swamp the controller's I/O loop and starve heartbeats. No chart shows more.
 MAX_BATCH = 1000
 
-Point = tuple[int, float, dict[str, float]]
+Point = tuple[int, float, dict[str, float]]  # step, time (s since the epoch), values
 
 
 class MetricsBuffer:
@@ -52,7 +55,9 @@ class MetricsBuffer:
     """
 
     def __init__(self, maxlen: int = MAX_BUFFERED) -> None:
-        self._q: collections.deque[Point] = collections.deque(maxlen=maxlen)
+        # (step, values): no clock read on the caller's thread (a cold clock
+        # read is ~1 µs here); points are stamped when taken, within 0.2 s
+        self._q: collections.deque[tuple[int, dict[str, float]]] = collections.deque(maxlen=maxlen)
         self._lock = threading.Lock()
         self._next_step = 0
         self.call = 0
@@ -68,7 +73,7 @@ class MetricsBuffer:
         for name, value in metrics.items():
             if type(value) is not float:
                 metrics[name] = _as_float(name, value)
-        self._q.append((step, time.time(), metrics))
+        self._q.append((step, metrics))
 
     @property
     def pending(self) -> bool:
@@ -77,13 +82,14 @@ class MetricsBuffer:
     def _drain(self) -> list[Point]:
         q = self._q
         # popleft, not list()+clear(): an append between the two would be lost
-        points = [q.popleft() for _ in range(len(q))]
-        if len(points) > MAX_BATCH:
-            stride = -(-len(points) // MAX_BATCH)
-            kept = points[(len(points) - 1) % stride::stride]  # ends on the newest
-            self.thinned += len(points) - len(kept)
-            points = kept
-        return points
+        raw = [q.popleft() for _ in range(len(q))]
+        if len(raw) > MAX_BATCH:
+            stride = -(-len(raw) // MAX_BATCH)
+            kept = raw[(len(raw) - 1) % stride::stride]  # ends on the newest
+            self.thinned += len(raw) - len(kept)
+            raw = kept
+        now = time.time()
+        return [(step, now, values) for step, values in raw]
 
     def take(self) -> tuple[int, int, list[Point]] | None:
         """For the control thread: ``(call, batch number, points)``, or None.
@@ -168,9 +174,19 @@ def log(step: int | None = None, **metrics: Any) -> None:
     Non-blocking (a deque append); sent several times a second and at the
     end of the call. ``step`` defaults to the previous step + 1.
     """
+    # MetricsBuffer.log inlined: one Python frame less on the hot path
     if not metrics:
         raise UsageError("mnb.log() needs at least one metric, e.g. mnb.log(loss=0.3)")
-    _buffer.log(step, metrics)
+    buf = _buffer
+    if step is None:
+        step = buf._next_step
+    elif type(step) is not int:
+        step = _as_step(step)
+    buf._next_step = step + 1
+    for name, value in metrics.items():
+        if type(value) is not float:
+            metrics[name] = _as_float(name, value)
+    buf._q.append((step, metrics))
 
 
 def buffer() -> MetricsBuffer:
