@@ -78,9 +78,8 @@ class Dashboard(anywidget.AnyWidget):
             if not self.mesh.running:
                 self.feed.state = "stopped"
                 self.throttle.last = float("-inf")
-                msg = self.push()
-                if msg is not None and msg["t"] == "delta":
-                    self.send({"t": "delta", "state": "stopped"})
+                self.push()  # the last changes, tiles marked stopped
+                self.send({"t": "delta", "state": "stopped"})
                 return
             self._stop.wait(max(self.throttle.wait(time.monotonic()), 0.02))
             try:

@@ -93,6 +93,13 @@ class Feed:
         self._names = 0
         self.state = "running"
 
+    def _tiles_now(self) -> list[dict[str, Any]]:
+        tiles = [tile(r) for r in self.rows()]
+        if self.state == "stopped":  # ranks stopped with the mesh are not deaths
+            for t in tiles:
+                t["state"] = "stopped"
+        return tiles
+
     def next(self) -> dict[str, Any] | None:
         """The next message, or None when nothing changed."""
         if self.want_snapshot:
@@ -118,8 +125,7 @@ class Feed:
             if cuts:
                 msg["cuts"] = cuts
         tiles = []
-        for row in self.rows():
-            t = tile(row)
+        for t in self._tiles_now():
             if self._tiles.get(t["rank"]) != t:
                 self._tiles[t["rank"]] = t
                 tiles.append(t)
@@ -140,7 +146,7 @@ class Feed:
     def snapshot(self) -> dict[str, Any]:
         self.want_snapshot = False
         self.cursor, everything = self.store.snapshot(SNAPSHOT_POINTS)
-        rows = [tile(r) for r in self.rows()]
+        rows = self._tiles_now()
         self._tiles = {t["rank"]: t for t in rows}
         events = self.events()
         self._events_seen = len(events)

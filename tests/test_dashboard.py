@@ -138,3 +138,12 @@ def test_a_dead_rank_turns_red_and_comes_back(ks: KernelSession) -> None:
     assert "died" in events and "respawned" in events, events
     incs = [t["incarnation"] for u in updates for t in u.get("tiles", []) if t["rank"] == 1]
     assert incs[-1] == 1
+
+
+def test_stop_marks_the_dashboard_stopped(ks: KernelSession) -> None:
+    model_id = ks.run("print(_d.model_id)").stdout.strip()
+    msgs, _, _ = _run_all(ks, "%monarch stop", linger=1.0)
+    updates = _custom(msgs, model_id)
+    assert updates and updates[-1] == {"t": "delta", "state": "stopped", "_at": updates[-1]["_at"]}
+    final = {t["rank"]: t["state"] for u in updates for t in u.get("tiles", [])}
+    assert final == {0: "stopped", 1: "stopped"}, final

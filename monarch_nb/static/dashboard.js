@@ -188,7 +188,8 @@ function render({ model, el }) {
   function drawEvents() {
     const rows = data.events.slice(-50).reverse().map((e) => {
       const time = new Date(e.time * 1000).toLocaleTimeString();
-      return `<div class="mnb-ev-${esc(e.kind)}">${time} rank ${e.rank} (inc ${e.inc}) ${esc(e.kind)}` +
+      const who = e.rank >= 0 ? `rank ${e.rank} (inc ${e.inc})` : "mesh";
+      return `<div class="mnb-ev-${esc(e.kind)}">${time} ${who} ${esc(e.kind)}` +
         (e.detail ? `: ${esc(e.detail)}` : "") + "</div>";
     });
     eventsEl.innerHTML = rows.join("") || "<div>no deaths, respawns or re-formations</div>";
