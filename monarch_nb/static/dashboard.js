@@ -228,7 +228,8 @@ function render({ model, el }) {
     const Y = (y) => padT + (1 - (y - y0) / (y1 - y0)) * (h - padT - padB);
     ctx.strokeStyle = "#ccc"; ctx.beginPath();
     ctx.moveTo(padL, padT); ctx.lineTo(padL, h - padB); ctx.lineTo(w - padR, h - padB); ctx.stroke();
-    ctx.fillText(y1.toPrecision(4), 2, padT + 8); ctx.fillText(y0.toPrecision(4), 2, h - padB);
+    ctx.fillText(Number(y1.toPrecision(3)).toString(), 2, padT + 8);
+    ctx.fillText(Number(y0.toPrecision(3)).toString(), 2, h - padB);
     ctx.fillText(`step ${x0}`, padL, h - 5);
     const right = `step ${x1}`;
     ctx.fillText(right, w - padR - ctx.measureText(right).width, h - 5);
