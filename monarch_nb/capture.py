@@ -74,6 +74,23 @@ class OutputBuffer:
             self.chunks += 1
             return self.call, n, _joined(items)
 
+    def take_partial(self, stream: str = "stdout") -> str:
+        """Remove and return the unfinished last line of ``stream`` (a
+        debugger's ``(Pdb) `` prompt, which the notebook shows in its input
+        box instead of as output)."""
+        with self._lock:
+            if not self._items or self._items[-1][0] != stream:
+                return ""
+            text = "".join(self._items[-1][1])
+            cut = text.rfind("\n") + 1
+            partial = text[cut:]
+            if cut:
+                self._items[-1][1] = [text[:cut]]
+            else:
+                self._items.pop()
+            self._pending -= len(partial)
+            return partial
+
     def finish(self) -> tuple[int, list[list[str]]]:
         """End the call: (chunks already taken, remaining items)."""
         with self._lock:

@@ -61,6 +61,10 @@ class MeshConfig:
         long exits (the second line of defence after the parent-death signal).
     start_timeout: seconds for every rank to report ready.
     max_message_bytes: larger inbound messages are dropped unread.
+    hang_timeout: a call that shows no progress (no output, metric or result)
+        for this many seconds gets the grouped stacks of its ranks printed
+        into its cell, once; ``None`` or 0 turns the watchdog off. Calls can set
+        their own (``%%monarch --hang-timeout``).
     """
 
     n: int | None = None
@@ -74,6 +78,7 @@ class MeshConfig:
     controller_timeout: float = 10.0
     start_timeout: float = 120.0
     max_message_bytes: int = 4 << 30
+    hang_timeout: float | None = 60.0
     extra_env: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -85,6 +90,7 @@ class MeshConfig:
             raise UsageError(f"respawn {self.respawn!r} is not one of {', '.join(RESPAWN_MODES)}")
         if self.launcher not in LAUNCHERS:
             raise UsageError(f"launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
+        check_hang_timeout(self.hang_timeout)
         if self.launcher != "local":
             raise UsageError(
                 f"--launcher {self.launcher} is not available in this version; "
@@ -95,6 +101,14 @@ class MeshConfig:
                 f"bind address {self.bind!r} is not loopback; non-loopback meshes need "
                 "CurveZMQ encryption, which this version does not provide yet"
             )
+
+
+def check_hang_timeout(value: float | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise UsageError(f"hang_timeout must be a number of seconds (0 or None: off), "
+                         f"not {value!r}")
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from .backends import BackendInfo
 from .config import MeshConfig
 from .errors import MembershipChanged, MonarchError, RankDied, RankErrors, RemoteError, is_peer_loss
 from .futures import MeshFuture
+from .inspector import Inspector
 from .metrics import decode as decode_metrics
 from .metricstore import MetricsStore
 from .output import CallOutput
@@ -63,6 +64,7 @@ from .rankstate import (
     signal_name,
 )
 from .recovery import Recovery
+from .stacks import RankStacks
 from .supervisor import Supervisor
 from .transport import IOLoop
 
@@ -70,7 +72,7 @@ log = logging.getLogger(__name__)
 
 
 
-class Controller(Recovery):
+class Controller(Inspector, Recovery):
     """Runs the I/O thread, the supervisor and the bookkeeping of one mesh."""
 
     def __init__(self, cfg: MeshConfig, backend: BackendInfo, world_size: int) -> None:
@@ -105,6 +107,7 @@ class Controller(Recovery):
         self.started = False
         self.stopped = False
         self.announce: Callable[[str], None] | None = None
+        self._init_inspector()
 
     # -- life cycle -------------------------------------------------------------
     def start(self, progress: Callable[[list[RankInfo]], None] | None = None) -> None:
@@ -204,50 +207,71 @@ class Controller(Recovery):
 
     # -- calls ----------------------------------------------------------------------
     def submit(self, kind: Kind, ranks: tuple[int, ...], payload: list[Any],
-               meta: dict[str, Any] | None, output: CallOutput) -> MeshFuture:
+               meta: dict[str, Any] | None, output: CallOutput,
+               hang_timeout: float | None = None) -> MeshFuture:
         """Start a call on ``ranks`` without waiting. Thread-safe."""
-        future, go = self._prepare(kind, ranks, payload, meta, output)
+        future, go = self._prepare(kind, ranks, payload, meta, output, hang_timeout)
         self.io.call_soon(go)
         return future
 
     def call(self, kind: Kind, ranks: tuple[int, ...], payload: list[Any],
              meta: dict[str, Any] | None, output: CallOutput,
              timeout: float | None = None,
-             on_future: Callable[[MeshFuture], None] | None = None) -> MeshFuture:
+             on_future: Callable[[MeshFuture], None] | None = None,
+             hang_timeout: float | None = None) -> MeshFuture:
         """Start a call and wait up to ``timeout`` for it, leading the I/O
         loop meanwhile (see IOLoop.leadership). Returns the future, done
         unless the timeout expired. ``on_future`` receives the future before
         any waiting, so a Ctrl-C during the wait knows which call it hit."""
-        future, go = self._prepare(kind, ranks, payload, meta, output)
+        future, go = self._prepare(kind, ranks, payload, meta, output, hang_timeout)
         if on_future is not None:
             on_future(future)
-        with self.io.leadership():
-            self.io.run_commands()  # earlier requests (restart, interrupt) go first
-            go()
-            self._lead_until(future, timeout)
+        self._wait_serving(future, timeout, go)
         return future
 
     def wait(self, future: MeshFuture, timeout: float | None = None) -> bool:
         """Wait for ``future`` (leading the loop); True if it is done."""
-        with self.io.leadership():
-            self._lead_until(future, timeout)
+        self._wait_serving(future, timeout)
         return future.done()
+
+    def _wait_serving(self, future: MeshFuture, timeout: float | None,
+                      go: Callable[[], None] | None = None) -> None:
+        """Lead the loop until ``future`` is done or the timeout passed;
+        debugger prompts of the call are answered on the way, with the loop
+        handed back meanwhile (heartbeats and pings go on while the user
+        types, and typing time does not count against the timeout)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self.io.leadership():
+                if go is not None:
+                    self.io.run_commands()  # earlier requests (restart, interrupt) go first
+                    go()
+                    go = None
+                self._lead_until(future, deadline)
+            if future.done() or self.io.stopping or not self.prompt_ready(future.call_id):
+                return
+            asked = time.monotonic()
+            self.serve_prompt(future.call_id)
+            if deadline is not None:
+                deadline += time.monotonic() - asked
 
     def pump(self, seconds: float) -> None:
         """Run the I/O loop on this thread for up to ``seconds``."""
         with self.io.leadership():
             self.io.run_once(seconds)
 
-    def _lead_until(self, future: MeshFuture, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _lead_until(self, future: MeshFuture, deadline: float | None) -> None:
         while not future.done() and not self.io.stopping:
+            if self.prompts and self.prompt_ready(future.call_id):
+                return  # the caller asks the user, without holding the loop
             left = 0.1 if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 return
             self.io.run_once(min(left, 0.1))
 
     def _prepare(self, kind: Kind, ranks: tuple[int, ...], payload: list[Any],
-                 meta: dict[str, Any] | None, output: CallOutput) -> tuple[MeshFuture, Callable[[], None]]:
+                 meta: dict[str, Any] | None, output: CallOutput,
+                 hang_timeout: float | None = None) -> tuple[MeshFuture, Callable[[], None]]:
         # DEAD is final only without respawn; otherwise it is the instant
         # between a death and its respawn (this runs on the caller's thread)
         final = (RankState.FAILED, RankState.STOPPED) + (
@@ -264,6 +288,7 @@ class Controller(Recovery):
         call_id = next(self._call_ids)
         future = MeshFuture(call_id, ranks, self.interrupt)
         call = PendingCall(call_id, ranks, output, future, set(ranks))
+        call.hang_timeout = self.cfg.hang_timeout if hang_timeout is None else hang_timeout
         if kind == Kind.EXEC and meta and meta.get("setup"):
             call.setup = {"code": meta["code"], "name": meta.get("name", "<setup>"), "setup": True}
         # Signed once, whatever the number of ranks: the same frames go to each.
@@ -285,6 +310,7 @@ class Controller(Recovery):
                 self.deferred.append(go)  # sent once the new process is ready
                 return
             self.calls[call_id] = call
+            call.progress_at = time.monotonic()
             for r in ranks:
                 info = self.ranks[r]
                 if info.state in (RankState.DEAD, RankState.FAILED, RankState.STOPPED):
@@ -350,11 +376,13 @@ class Controller(Recovery):
                                f"{info.incarnation}, generation {self.generation})")
                 self._run_deferred()
             self._notify()
+        elif kind == Kind.PROMPT:
+            self._on_prompt(info, msg)
         elif kind == Kind.STACKS_REPLY:
-            stacks = msg.meta.get("stacks") or {}
-            main = str(stacks.get("MainThread", ""))
-            if info.rank in self.awaiting_reform and "torch/distributed/" in main:
-                self._replace_stuck(info.rank)
+            if not self._on_stacks_reply(info, msg) and info.rank in self.awaiting_reform:
+                st = RankStacks(info.rank, "ok", list(msg.meta.get("threads") or []))
+                if st.collective():  # stuck in the old group's collective
+                    self._replace_stuck(info.rank)
         elif kind == Kind.REFORMED:
             self.awaiting_reform.pop(info.rank, None)
             error = None if msg.meta.get("joining") else msg.meta.get("error")
@@ -369,15 +397,20 @@ class Controller(Recovery):
         call = self.calls.get(msg.header.call)
         items = _output_items(msg.payload[0]) if msg.payload else []
         target = call.output if call is not None else self.default_output
+        if call is not None:
+            call.progress_at = time.monotonic()
         if target is not None:
             for stream, text in items:
                 target.feed(info.rank, str(stream), str(text))
         self._count_chunk(call, info, msg)
 
     def _on_metrics(self, info: RankInfo, msg: Message) -> None:
+        call = self.calls.get(msg.header.call)
+        if call is not None:
+            call.progress_at = time.monotonic()  # a metric is progress (hang watchdog)
         if msg.payload:
             self.metrics.add(info.rank, info.incarnation, decode_metrics(msg.payload[0]))
-        self._count_chunk(self.calls.get(msg.header.call), info, msg)
+        self._count_chunk(call, info, msg)
 
     def _count_chunk(self, call: PendingCall | None, info: RankInfo, msg: Message) -> None:
         """OUTPUT chunks and METRICS batches sent on the control socket
@@ -417,6 +450,9 @@ class Controller(Recovery):
                 info.rank, str(err.get("type", "Exception")), str(err.get("msg", "")),
                 str(err.get("tb", "")))
         call.remaining.discard(info.rank)
+        call.progress_at = time.monotonic()
+        if self.prompts or self.debug_focus:
+            self._release_focus(call.call_id, info.rank)
         if info.state == RankState.BUSY and not any(
             info.rank in c.remaining for c in self.calls.values()
         ):
@@ -427,6 +463,8 @@ class Controller(Recovery):
         if call.remaining or call.held:
             return
         self.calls.pop(call.call_id, None)
+        if self.prompts or self.debug_focus:
+            self._release_focus(call.call_id, -1)  # forget its debugger prompts
         call.output.flush(force=True)
         future = call.future
         if future.done():  # cancelled by the user
@@ -469,6 +507,7 @@ class Controller(Recovery):
         died = self._died(info)
         for call in list(self.calls.values()):
             if rank in call.remaining:
+                self._release_focus(call.call_id, rank)
                 call.held.pop(rank, None)
                 call.chunks_seen.pop(rank, None)
                 if call.elastic and not self.stopped:
@@ -515,6 +554,7 @@ class Controller(Recovery):
                 # an error instead of waiting for the group timeout).
                 info.silent_for = silent
                 self.supervisor.signal(info.rank, signal_mod.SIGKILL)
+        self._inspector_tick(now)
         deadline = self.policy.next_deadline()
         if deadline is not None and deadline <= now:
             self._apply(self.policy.handle(Timer(now)))

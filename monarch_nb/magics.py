@@ -25,15 +25,20 @@ from .selection import format_ranks
 HELP = """\
 %monarch start [-n N] [--backend auto|cuda|rocm|cpu] [--respawn rank|all|off]
                [--launcher local|ssh|slurm] [--hosts H1,H2] [--no-dashboard]
+               [--hang-timeout SECONDS]
 %monarch stop | status | dashboard | help
 %monarch push NAME [NAME ...] [--ranks SPEC]    send kernel variables to the ranks
 %monarch pull NAME [--ranks SPEC]               fetch a variable from the ranks
 %monarch kill RANK [--signal KILL|TERM|STOP|INT] fault injection
 %monarch restart RANK|all                       replace ranks with fresh processes
-%monarch logs RANK [--tail N]                   a rank's recent output
+%monarch stacks [--ranks SPEC] [--native]      where every thread of every rank is, grouped
+%monarch debug RANK                             post-mortem pdb on the rank's last error
+%monarch logs RANK [--tail N]                   a rank's recent output (all incarnations)
 %monarch wait [NAME]                            wait for --no-block cells
-%%monarch [--ranks SPEC] [--setup] [--no-block] [-o NAME] [--timeout SECONDS]
-    run the cell on the ranks; SPEC is 3, 0,2, 1-3, ::2 or all
+%%monarch [--ranks SPEC] [--setup] [--elastic] [--no-block] [-o NAME] [--timeout SECONDS]
+          [--hang-timeout SECONDS]
+    run the cell on the ranks; SPEC is 3, 0,2, 1-3, ::2 or all.
+    breakpoint() in a cell opens pdb here, one rank at a time (c goes to the next).
 """
 
 
@@ -47,7 +52,18 @@ class _Parsers:
     @argument("--launcher", default="local", choices=["local", "ssh", "slurm"])
     @argument("--hosts", default="", help="comma-separated hosts (ssh launcher)")
     @argument("--no-dashboard", action="store_true", help="do not show the live dashboard")
+    @argument("--hang-timeout", type=float, default=60.0,
+              help="print where the ranks are after SECONDS without progress (0: never)")
     def start(self, line: str) -> None: ...
+
+    @magic_arguments()
+    @argument("--ranks", default="all")
+    @argument("--native", action="store_true", help="add native frames (needs py-spy)")
+    def stacks(self, line: str) -> None: ...
+
+    @magic_arguments()
+    @argument("rank", type=int)
+    def debug(self, line: str) -> None: ...
 
     @magic_arguments()
     @argument("names", nargs="+", help="kernel variables to send")
@@ -84,6 +100,8 @@ class _Parsers:
     @argument("--no-block", action="store_true", help="return a handle at once")
     @argument("-o", dest="output", default=None, help="store per-rank results in this variable")
     @argument("--timeout", type=float, default=None, help="interrupt the ranks after SECONDS")
+    @argument("--hang-timeout", type=float, default=None,
+              help="print where the ranks are after SECONDS without progress")
     def cell(self, line: str) -> None: ...
 
 
@@ -146,7 +164,8 @@ class MonarchMagics(Magics):
                 handle.update(_Text(text))
 
         self.mesh = Mesh.start(n=args.n, backend=args.backend, respawn=args.respawn,
-                               launcher=args.launcher, hosts=args.hosts, progress=progress)
+                               launcher=args.launcher, hosts=args.hosts, progress=progress,
+                               hang_timeout=args.hang_timeout)
         mesh = self.mesh
         devices = sorted({row["device"] for row in mesh.status()})
         text = (f"monarch_nb: {mesh.world_size} ranks ready on {mesh.backend} "
@@ -224,10 +243,12 @@ class MonarchMagics(Magics):
         display(self._mesh().dashboard())
 
     def _cmd_stacks(self, rest: str) -> None:
-        raise UsageError("%monarch stacks is not in this version yet")
+        args = _parse(_P.stacks, rest)
+        print(self._mesh().stacks(args.ranks, native=args.native).render())
 
     def _cmd_debug(self, rest: str) -> None:
-        raise UsageError("%monarch debug is not in this version yet")
+        args = _parse(_P.debug, rest)
+        self._mesh().debug(args.rank)
 
     # -- the cell magic --------------------------------------------------------------
     def _cell(self, line: str, cell: str) -> Any:
@@ -238,7 +259,8 @@ class MonarchMagics(Magics):
         sub = mesh.ranks(args.ranks)
         name = f"<mnb-cell-{self.shell.execution_count}>"
         if args.no_block:
-            fut = sub.exec(cell, setup=args.setup, name=name, block=False, elastic=args.elastic)
+            fut = sub.exec(cell, setup=args.setup, name=name, block=False, elastic=args.elastic,
+                           hang_timeout=args.hang_timeout)
             key = args.output or f"_mnb{self._anon}"
             self._anon += 1
             self.pending[key] = fut
@@ -246,7 +268,7 @@ class MonarchMagics(Magics):
                 self.shell.user_ns[args.output] = fut
             return fut
         results = sub.exec(cell, setup=args.setup, name=name, timeout=args.timeout,
-                           elastic=args.elastic)
+                           elastic=args.elastic, hang_timeout=args.hang_timeout)
         if args.output:
             self.shell.user_ns[args.output] = results
         if all(v is None for v in results.values()):

@@ -26,14 +26,17 @@ from dataclasses import asdict
 from typing import Any
 
 from . import backends, serialize
-from .config import MeshConfig
+from .config import MeshConfig, check_hang_timeout
 from .controller import Controller, Event, RankInfo, RankState
-from .errors import CallTimeout, MeshNotRunning, MonarchError, RankErrors, UsageError
+from .debug import post_mortem as _post_mortem
+from .errors import CallTimeout, MeshNotRunning, MonarchError, RankErrors, RemoteError, UsageError
 from .futures import MeshFuture
+from .inspector import STACKS_TIMEOUT_S
 from .metricstore import health_fields
 from .output import CallOutput
 from .protocol import Kind
 from .selection import format_ranks, parse_ranks
+from .stacks import Stacks
 
 INTERRUPT_GRACE_S = 5.0  # how long an interrupted call may take to come back
 _cell_counter = itertools.count(1)
@@ -85,13 +88,16 @@ class _RankSet:
 
     # -- calls ------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
-            elastic: bool = False, **kwargs: Any) -> RankResults:
+            elastic: bool = False, hang_timeout: float | None = None,
+            **kwargs: Any) -> RankResults:
         """Run ``fn(*args, **kwargs)`` on every selected rank and wait.
         ``elastic=True``: a rank that dies is respawned and the call re-issued
-        on it; the survivors carry on (inside ``mnb.elastic.run``)."""
+        on it; the survivors carry on (inside ``mnb.elastic.run``).
+        ``hang_timeout``: print where the ranks are after that many seconds
+        without progress (default: the mesh's, 60 s)."""
         meta = {"elastic": True} if elastic else None
         return self._mesh._call(Kind.CALL, self._sel, _call_payload(fn, args, kwargs), meta,
-                                timeout)
+                                timeout, hang_timeout)
 
     def run_async(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MeshFuture:
         """Start ``fn`` on the selected ranks; returns a :class:`MeshFuture`."""
@@ -99,16 +105,19 @@ class _RankSet:
         return self._mesh._live().submit(Kind.CALL, self._sel, payload, None, CallOutput())
 
     def exec(self, code: str, setup: bool = False, *, timeout: float | None = None,
-             name: str | None = None, block: bool = True, elastic: bool = False) -> Any:
+             name: str | None = None, block: bool = True, elastic: bool = False,
+             hang_timeout: float | None = None) -> Any:
         """Run cell ``code`` on the selected ranks; RankResults of each rank's
         last expression. The code is syntax-checked here first, so a typo
         costs no round trip and shows the line."""
+        check_hang_timeout(hang_timeout)
         meta = _exec_meta(code, setup, name)
         if elastic:
             meta["elastic"] = True
         if not block:
-            return self._mesh._live().submit(Kind.EXEC, self._sel, [], meta, CallOutput())
-        return self._mesh._call(Kind.EXEC, self._sel, [], meta, timeout)
+            return self._mesh._live().submit(Kind.EXEC, self._sel, [], meta, CallOutput(),
+                                             hang_timeout)
+        return self._mesh._call(Kind.EXEC, self._sel, [], meta, timeout, hang_timeout)
 
     def exec_async(self, code: str, setup: bool = False, name: str | None = None,
                    elastic: bool = False) -> MeshFuture:
@@ -129,6 +138,17 @@ class _RankSet:
         if not isinstance(name, str) or not name.isidentifier():
             raise UsageError(f"pull() needs a variable name, got {name!r}")
         return self.run(_pull, name)
+
+    # -- looking inside ---------------------------------------------------------
+    def stacks(self, ranks: Any = None, *, native: bool = False,
+               timeout: float = STACKS_TIMEOUT_S) -> Stacks:
+        """The Python stack of every thread of the selected ranks, taken by
+        each rank's control thread (so it works while user code is stuck in
+        a collective, a C call or a loop). Printed grouped: ranks standing
+        in the same place are shown once. ``native=True`` adds py-spy's
+        native frames where py-spy is installed."""
+        sel = self._sel if ranks is None else self.ranks(ranks).rank_ids
+        return self._mesh._live().request_stacks_blocking(sel, timeout, native)
 
     # -- selection ----------------------------------------------------------
     def ranks(self, spec: Any) -> SubMesh:
@@ -295,8 +315,25 @@ class Mesh(_RankSet):
         return dict(self._ctl.io.dropped)
 
     def logs(self, rank: int, tail: int = 100) -> list[str]:
+        """The last ``tail`` lines a rank wrote, earlier incarnations of a
+        respawned rank included (each under a header saying how it ended)."""
         (r,) = parse_ranks(rank, self.world_size)
-        return self._ctl.supervisor.tail(r, tail)
+        if isinstance(tail, bool) or not isinstance(tail, int) or tail < 1:
+            raise UsageError(f"tail must be a positive number of lines, not {tail!r}")
+        return self._ctl.supervisor.logs(r, tail)
+
+    def debug(self, rank: int) -> None:
+        """Post-mortem pdb on ``rank``'s last failed call, driven from here:
+        each debugger prompt is asked with ``input()`` (the notebook's input
+        box). ``q`` or ``c`` leaves; the rank stays usable."""
+        (r,) = parse_ranks(rank, self.world_size)
+        try:
+            self._call(Kind.CALL, (r,), _call_payload(_post_mortem, (), {}), None, None)
+        except RankErrors as exc:
+            err = exc.errors.get(r)
+            if isinstance(err, RemoteError) and err.type_name == "LookupError":
+                raise UsageError(err.message) from None
+            raise
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
@@ -310,7 +347,8 @@ class Mesh(_RankSet):
         return self._ctl
 
     def _call(self, kind: Kind, ranks: tuple[int, ...], payload: list[Any],
-              meta: dict[str, Any] | None, timeout: float | None) -> RankResults:
+              meta: dict[str, Any] | None, timeout: float | None,
+              hang_timeout: float | None = None) -> RankResults:
         """A blocking call: send, wait (leading the I/O loop), and apply the
         waiting policy: timeout -> interrupt + CallTimeout; Ctrl-C ->
         interrupt the ranks, let them settle, re-raise."""
@@ -318,7 +356,7 @@ class Mesh(_RankSet):
         issued: list[MeshFuture] = []
         try:
             fut = ctl.call(kind, ranks, payload, meta, CallOutput(), timeout,
-                           on_future=issued.append)
+                           on_future=issued.append, hang_timeout=hang_timeout)
             if not fut.done():
                 where = self._interrupt_and_settle(fut)
                 raise CallTimeout(timeout or 0.0, where)

@@ -109,6 +109,12 @@ class CallOutput:
     def pending(self) -> bool:
         return self._oldest is not None or bool(self._partial)
 
+    def take_partial(self, rank: int, stream: str = "stdout") -> str:
+        """Remove and return ``rank``'s unfinished line (a prompt that will be
+        shown in the input box instead)."""
+        self._partial_since.pop((stream, rank), None)
+        return self._partial.pop((stream, rank), "")
+
     def flush(self, force: bool = False, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         if self._oldest is not None and (force or now - self._oldest >= FOLD_S):

@@ -84,6 +84,9 @@ class PendingCall:
     elastic: bool = False  # survive deaths: re-issued on the respawned rank
     frames: list[Any] = field(default_factory=list)  # kept for re-issue (elastic only)
     reissue: set[int] = field(default_factory=set)  # ranks waiting for their new process
+    hang_timeout: float | None = None  # print stacks after this long without progress
+    hang_reported: bool = False  # ...once per call
+    progress_at: float = field(default_factory=time.monotonic)  # output, result, prompt
 
 
 REFORM_GRACE_S = 3.0  # an elastic survivor must answer a re-formation within this

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dis
 import io
+import linecache
+import os
 import pickle
 import sys
 import types
@@ -146,7 +148,9 @@ def dumps_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[A
         if cached is not None and cached[0] == fingerprint:
             fn_bytes = cached[1]
         else:
-            fn_bytes = cloudpickle.dumps(fn, protocol=5)
+            sources, files = _sources(fn)
+            fn_bytes = cloudpickle.dumps(_Sourced(fn, sources, files) if sources else fn,
+                                         protocol=5)
             if fingerprint is not None:
                 _fn_cache[fn] = (fingerprint, fn_bytes)
     except Exception as exc:
@@ -158,6 +162,63 @@ def dumps_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[A
     except SerializationError:
         raise SerializationError(_describe_failure((fn, args, kwargs), Exception("not picklable"))) from None
     return [fn_bytes, *rest]
+
+
+class _Sourced:
+    """A function with the source of the cells it came from.
+
+    Functions written in a notebook cell live in a file that exists only in
+    the kernel (``/tmp/ipykernel_*/123.py``), and cloudpickle renames their
+    code's file to ``<dynamic-code>``. Unpickled on a rank, this gives the
+    code its file name back and registers the source in the rank's
+    linecache, so tracebacks, stacks and the debugger show the cell's lines;
+    then it is the plain function again."""
+
+    def __init__(self, fn: Any, sources: dict[str, list[str]], files: dict[str, str]) -> None:
+        self.fn, self.sources, self.files = fn, sources, files
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_register_source, (self.fn, self.sources, self.files))
+
+
+def _register_source(fn: Any, sources: dict[str, list[str]], files: dict[str, str]) -> Any:
+    for filename, lines in sources.items():
+        if not os.path.exists(filename):
+            linecache.cache[filename] = (sum(map(len, lines)), None, list(lines), filename)
+    for name, filename in files.items():
+        target = fn if not name else getattr(fn, "__globals__", {}).get(name)
+        if isinstance(target, types.FunctionType):
+            target.__code__ = _refile(target.__code__, filename)
+    return fn
+
+
+def _refile(code: types.CodeType, filename: str) -> types.CodeType:
+    consts = tuple(_refile(c, filename) if isinstance(c, types.CodeType) else c
+                   for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
+def _sources(fn: Any) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Source lines of ``fn``'s cell and of the functions it calls by name,
+    for files the ranks cannot read (kernel cells, ``<...>`` names), and
+    which function came from which file ("" is ``fn`` itself)."""
+    code = getattr(fn, "__code__", None)
+    if code is None or not isinstance(fn, types.FunctionType):
+        return {}, {}
+    files = {"": code.co_filename}
+    glob = fn.__globals__
+    for name in code.co_names:
+        other = glob.get(name)
+        if isinstance(other, types.FunctionType) and other.__module__ == fn.__module__:
+            files[name] = other.__code__.co_filename
+    sources: dict[str, list[str]] = {}
+    for filename in set(files.values()):
+        if filename.startswith("<frozen") or os.path.exists(filename):
+            continue  # a real file: the rank reads it like any module
+        lines = linecache.getlines(filename)
+        if lines:
+            sources[filename] = lines
+    return sources, {k: v for k, v in files.items() if v in sources}
 
 
 def _fingerprint(fn: Any) -> tuple[Any, ...] | None:

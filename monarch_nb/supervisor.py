@@ -167,6 +167,31 @@ class Supervisor:
             return []
         return data.splitlines()[-lines:]
 
+    def logs(self, rank: int, lines: int = 100) -> list[str]:
+        """The last ``lines`` lines ``rank`` wrote across all its incarnations,
+        oldest first, each incarnation under a header saying how it ended."""
+        procs = [p for p in self.history if p.rank == rank]
+        chunks: list[list[str]] = []
+        left = lines
+        for proc in reversed(procs):
+            if left <= 0:
+                break
+            body = self.tail(rank, left, proc.incarnation)
+            left -= len(body)
+            code = proc.popen.poll()
+            if code is None:
+                end = "running"
+            elif code < 0:
+                try:
+                    end = f"killed by {signal.Signals(-code).name}"
+                except ValueError:
+                    end = f"killed by signal {-code}"
+            else:
+                end = f"exited with code {code}"
+            head = f"--- rank {rank}, incarnation {proc.incarnation} (pid {proc.pid}, {end}) ---"
+            chunks.append([head, *body] if len(procs) > 1 else body)
+        return [line for chunk in reversed(chunks) for line in chunk]
+
     def kill_proc(self, proc: RankProcess) -> None:
         if proc.popen.poll() is None:
             try:

@@ -38,7 +38,7 @@ from typing import Any
 
 import zmq
 
-from . import _context, metrics, serialize
+from . import _context, debug, metrics, serialize
 from .backends import init_group
 from .capture import OutputBuffer, RankStream
 from .config import RankEnv
@@ -92,6 +92,11 @@ class Worker:
         self.user_module = types.ModuleType("__main__")
         self.user_module.__dict__["__builtins__"] = __builtins__
         self.namespace = self.user_module.__dict__
+        # A debugger (or input()) on the main thread waits for a line: the
+        # control thread sends this prompt after the output before it.
+        self.prompt_out: tuple[int, str] | None = None
+        self.stdin = debug.RelayStdin(self._ask_input, lambda: self.output.take_partial("stdout"),
+                                      self.main_thread_id)
 
     # -- start-up ------------------------------------------------------------
     def start(self) -> None:
@@ -104,9 +109,12 @@ class Worker:
         log = sys.stdout
         sys.stdout = RankStream("stdout", self.output, log)
         sys.stderr = RankStream("stderr", self.output, sys.__stderr__)
+        sys.stdin = self.stdin  # pdb, breakpoint() and input() ask the notebook
+        sys.breakpointhook = debug.breakpointhook
         sys.modules["__main__"] = self.user_module
-        signal.signal(signal.SIGINT, self._on_sigint)
-        threading.Thread(target=self._control_loop, name="monarch-nb-control", daemon=True).start()
+        self._sigint = self._on_sigint  # one bound method, compared after each call
+        signal.signal(signal.SIGINT, self._sigint)
+        threading.Thread(target=self._control_loop, name=debug.CONTROL_THREAD, daemon=True).start()
         try:
             device = init_group(env.backend, env.rank, env.world_size, env.master_addr,
                                 env.master_port)
@@ -145,6 +153,7 @@ class Worker:
         leftover = self.output.begin(call)
         if leftover:
             self._send_main(Kind.OUTPUT, [_json(leftover)], call=0, meta={"n": -1})
+        self.stdin.reset()
         left = self.metrics.begin(call)  # logged between calls (by a user thread)
         if left:
             self._send_main(Kind.METRICS, [metrics.encode(left)], meta={"n": -1})
@@ -164,8 +173,14 @@ class Worker:
             finally:
                 self.finished.append(call)  # before running_call drops: see _control
                 self.running_call = 0
+                if signal.getsignal(signal.SIGINT) is not self._sigint:
+                    # pdb.set_trace() installs pdb's own handler on "c"
+                    signal.signal(signal.SIGINT, self._sigint)
         except BaseException as exc:  # the rank survives whatever the user code does
             ok, error = False, self._describe(exc)
+            # kept for %monarch debug, as the interactive interpreter keeps it
+            sys.last_exc, sys.last_type, sys.last_value, sys.last_traceback = (  # type: ignore[attr-defined]
+                exc, type(exc), exc, exc.__traceback__)
         if isinstance(sys.stdout, RankStream):
             sys.stdout.flush()
         n_out, tail = self.output.finish()
@@ -317,6 +332,10 @@ class Worker:
             if chunk is not None:
                 call, n, items = chunk
                 self._send_ctl(Kind.OUTPUT, call=call, meta={"n": n}, payload=[_json(items)])
+            prompt = self.prompt_out
+            if prompt is not None:  # after the output: the listing shows above the box
+                self.prompt_out = None
+                self._send_ctl(Kind.PROMPT, call=prompt[0], meta={"prompt": prompt[1]})
             if now >= next_metrics:
                 next_metrics = now + METRICS_FLUSH_S
                 batch = self.metrics.take()
@@ -355,7 +374,11 @@ class Worker:
             # is stuck in C code, do not wait for it.
             threading.Timer(2.0, lambda: self._exit(0)).start()
         elif msg.kind == Kind.STACKS:
-            self._send_ctl(Kind.STACKS_REPLY, call=msg.header.call, meta={"stacks": self.stacks()})
+            self._send_ctl(Kind.STACKS_REPLY, call=msg.header.call,
+                           meta={"threads": debug.snapshot(self.main_thread_id),
+                                 "busy": self.running_call})
+        elif msg.kind == Kind.INPUT:
+            self.stdin.answer(str(msg.meta.get("text", "")))
 
     def _send_ctl(self, kind: Kind, *, call: int = 0, meta: dict[str, Any] | None = None,
                   payload: list[Any] | None = None) -> None:
@@ -366,12 +389,9 @@ class Worker:
         frame = sys._current_frames().get(self.main_thread_id)
         return describe_frame(frame)
 
-    def stacks(self) -> dict[str, str]:
-        names = {t.ident: t.name for t in threading.enumerate()}
-        out = {}
-        for ident, frame in sys._current_frames().items():
-            out[names.get(ident, str(ident))] = "".join(traceback.format_stack(frame))
-        return out
+    def _ask_input(self, prompt: str) -> None:
+        """Main thread, in RelayStdin.readline: the control thread sends it."""
+        self.prompt_out = (self.running_call, prompt)
 
     def _exit(self, code: int) -> None:
         hook = getattr(self, "_exit_hook", None)

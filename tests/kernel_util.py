@@ -24,6 +24,7 @@ class CellResult:
     displays: list[str] = field(default_factory=list)
     error: dict[str, Any] | None = None
     status: str = ""
+    prompts: list[str] = field(default_factory=list)  # input requests answered
 
     @property
     def traceback(self) -> str:
@@ -44,18 +45,25 @@ class KernelSession:
     def pid(self) -> int:
         return self.km.provisioner.process.pid  # type: ignore[union-attr]
 
-    def execute(self, code: str) -> str:
-        return self.kc.execute(code, allow_stdin=False)
+    def execute(self, code: str, allow_stdin: bool = False) -> str:
+        return self.kc.execute(code, allow_stdin=allow_stdin)
 
-    def collect(self, msg_id: str, timeout: float = 120.0) -> CellResult:
+    def collect(self, msg_id: str, timeout: float = 120.0,
+                answers: list[str] | None = None) -> CellResult:
+        """Output of cell ``msg_id`` until the kernel is idle. ``answers``
+        are typed, in order, into input requests (pdb prompts), the way a
+        user types into the notebook's input box."""
         res = CellResult(msg_id)
         deadline = time.monotonic() + timeout
+        pending = list(answers or [])
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"cell {msg_id} did not finish in {timeout} s; so far: {res}")
+            if answers is not None:
+                self._answer_input(res, pending)
             try:
-                msg = self.kc.get_iopub_msg(timeout=left)
+                msg = self.kc.get_iopub_msg(timeout=min(left, 0.1) if answers is not None else left)
             except queue.Empty:
                 continue
             parent = msg["parent_header"].get("msg_id")
@@ -76,8 +84,20 @@ class KernelSession:
             if reply["parent_header"].get("msg_id") == msg_id:
                 return str(reply["content"]["status"])
 
-    def run(self, code: str, timeout: float = 120.0) -> CellResult:
-        return self.collect(self.execute(code), timeout)
+    def run(self, code: str, timeout: float = 120.0, answers: list[str] | None = None) -> CellResult:
+        return self.collect(self.execute(code, allow_stdin=answers is not None), timeout, answers)
+
+    def _answer_input(self, res: CellResult, pending: list[str]) -> None:
+        try:
+            msg = self.kc.get_stdin_msg(timeout=0.01)
+        except queue.Empty:
+            return
+        if msg["msg_type"] != "input_request":
+            return
+        res.prompts.append(msg["content"]["prompt"])
+        # Out of answers: continue (the test sees it in res.prompts) rather
+        # than leave the kernel blocked in input() for the rest of the module.
+        self.kc.input(pending.pop(0) if pending else "c")
 
     @staticmethod
     def _apply(res: CellResult, msg: dict[str, Any]) -> None:

@@ -1,0 +1,250 @@
+"""Looking into running ranks from the controller: stack requests, the hang
+watchdog and the debugger relay.
+
+A mixin of :class:`~monarch_nb.controller.Controller` (one job, split out to
+keep both small). Its handlers run on the thread that leads the I/O loop,
+like every handler; the public entry points (:meth:`request_stacks_blocking`,
+:meth:`serve_prompt`) are called from the user's thread.
+
+* Stacks: a STACKS request goes to each rank's control thread, which answers
+  even while the main thread is stuck. Replies are collected under a request
+  id; ranks that do not answer within the timeout are reported as such.
+* Hang watchdog: a call with a ``hang_timeout`` that shows no progress (no
+  output, metric, result or debugger prompt) for that long gets the grouped
+  stacks of its unfinished ranks printed into its cell, once, with a hint.
+* Debugger relay: a rank's debugger (``breakpoint()``, post-mortem) waits
+  for a line and sends a PROMPT. Prompts queue here; the thread waiting on the
+  call asks the user (the kernel's input box) and sends the answer as INPUT.
+  One rank is *in focus* at a time: after ``n`` or ``s`` the next prompt of the
+  same rank is awaited before another rank's; ``c`` or ``q`` moves on to the
+  next rank that stopped, and those waiting are named so the user knows.
+
+Non-goals: grouping and wording (stacks.py), the rank side (debug.py).
+"""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .protocol import Kind, Message
+from .rankstate import RankInfo, RankState
+from .selection import format_ranks
+from .stacks import RankStacks, Stacks, hang_report
+
+if TYPE_CHECKING:
+    from .controller import Controller
+
+    _Base = Controller
+else:
+    _Base = object
+
+STACKS_TIMEOUT_S = 2.0
+# Debugger commands after which the rank runs on (another rank may be served).
+_RELEASING = {"c", "cont", "continue", "q", "quit", "exit", "\x04", "run", "restart"}
+_REQUEST_IDS = itertools.count(1 << 48)  # apart from call ids
+
+
+@dataclass
+class _StackRequest:
+    ranks: tuple[int, ...]
+    deadline: float
+    on_done: Callable[[Stacks], None]
+    result: Stacks = field(default_factory=Stacks)
+
+
+@dataclass
+class Prompt:
+    call_id: int
+    rank: int
+    text: str
+
+
+class Inspector(_Base):
+    def _init_inspector(self) -> None:
+        self.stack_requests: dict[int, _StackRequest] = {}
+        self.prompts: collections.deque[Prompt] = collections.deque()
+        self.debug_focus: dict[int, int | None] = {}  # call -> rank being debugged
+        self.ask: Callable[[str], str] | None = None  # default: builtins.input at the time
+
+    # -- stacks --------------------------------------------------------------------
+    def request_stacks(self, ranks: tuple[int, ...], on_done: Callable[[Stacks], None],
+                       timeout: float = STACKS_TIMEOUT_S) -> None:
+        """I/O thread: ask ``ranks`` for their stacks; ``on_done(stacks)`` when
+        all answered or the timeout passed."""
+        req_id = next(_REQUEST_IDS)
+        req = _StackRequest(tuple(ranks), time.monotonic() + timeout, on_done)
+        frames = self.codec.sign(Kind.STACKS, call=req_id)
+        for r in ranks:
+            info = self.ranks[r]
+            if info.state in (RankState.READY, RankState.BUSY):
+                self.io.send(info.ctl_id, frames)
+            else:
+                req.result[r] = RankStacks(r, status=info.state.value)
+        self.stack_requests[req_id] = req
+        self._maybe_finish_stacks(req_id)
+
+    def request_stacks_blocking(self, ranks: tuple[int, ...], timeout: float = STACKS_TIMEOUT_S,
+                                native: bool = False) -> Stacks:
+        """Any thread: the stacks of ``ranks``, leading the I/O loop meanwhile."""
+        box: list[Stacks] = []
+        done = threading.Event()
+
+        def finished(stacks: Stacks) -> None:
+            box.append(stacks)
+            done.set()
+
+        self.io.call_soon(lambda: self.request_stacks(ranks, finished, timeout))
+        deadline = time.monotonic() + timeout + 5.0
+        with self.io.leadership():
+            while not done.is_set() and not self.io.stopping and time.monotonic() < deadline:
+                self.io.run_once(0.05)
+        stacks = box[0] if box else Stacks({r: RankStacks(r, status="no answer") for r in ranks})
+        if native:
+            for r, st in stacks.items():
+                st.native = native_stack(self.ranks[r].pid)
+        return stacks
+
+    def _on_stacks_reply(self, info: RankInfo, msg: Message) -> bool:
+        """True if the reply belonged to a request of ours."""
+        req = self.stack_requests.get(msg.header.call)
+        if req is None or info.rank not in req.ranks:
+            return False
+        req.result[info.rank] = RankStacks(
+            info.rank, "ok", list(msg.meta.get("threads") or []), int(msg.meta.get("busy") or 0))
+        self._maybe_finish_stacks(msg.header.call)
+        return True
+
+    def _maybe_finish_stacks(self, req_id: int, now: float | None = None) -> None:
+        req = self.stack_requests.get(req_id)
+        if req is None:
+            return
+        late = now is not None and now >= req.deadline
+        if not late and len(req.result) < len(req.ranks):
+            return
+        del self.stack_requests[req_id]
+        for r in req.ranks:
+            req.result.setdefault(r, RankStacks(r, status="no answer"))
+        stacks = Stacks(sorted(req.result.items()))
+        req.on_done(stacks)
+
+    # -- hang watchdog ----------------------------------------------------------------
+    def _inspector_tick(self, now: float) -> None:
+        for req_id in list(self.stack_requests):
+            self._maybe_finish_stacks(req_id, now)
+        for call in list(self.calls.values()):
+            limit = call.hang_timeout
+            if not limit or call.hang_reported or not call.remaining:
+                continue
+            if self.debug_focus.get(call.call_id) is not None or any(
+                    p.call_id == call.call_id for p in self.prompts):
+                continue  # the user is in a debugger: not a hang
+            if now - call.progress_at >= limit:
+                call.hang_reported = True
+                self.request_stacks(tuple(sorted(call.remaining)),
+                                    lambda st, c=call, s=limit: c.output.note(hang_report(st, s)))
+
+    # -- debugger relay -----------------------------------------------------------------
+    def _on_prompt(self, info: RankInfo, msg: Message) -> None:
+        call = self.calls.get(msg.header.call)
+        if call is None:
+            return
+        call.progress_at = time.monotonic()
+        call.output.flush(force=True)
+        text = str(msg.meta.get("prompt") or "") or call.output.take_partial(info.rank) or "? "
+        waiting = {p.rank for p in self.prompts if p.call_id == call.call_id}
+        focus = self.debug_focus.get(call.call_id)
+        if info.rank not in waiting and focus not in (None, info.rank) and info.rank != focus:
+            call.output.note(f"monarch_nb: rank {info.rank} stopped in the debugger too; "
+                             f"it is next after rank {focus}")
+        self.prompts.append(Prompt(call.call_id, info.rank, text))
+        self._notify()
+
+    def _release_focus(self, call_id: int, rank: int) -> None:
+        """I/O thread: ``rank`` finished or died: its debugger session is over."""
+        if self.debug_focus.get(call_id) == rank:
+            self.debug_focus[call_id] = None
+        kept = [p for p in self.prompts if not (p.call_id == call_id and p.rank == rank)]
+        if len(kept) != len(self.prompts):
+            self.prompts = collections.deque(kept)
+        if call_id not in self.calls:
+            self.debug_focus.pop(call_id, None)
+            self.prompts = collections.deque(p for p in self.prompts if p.call_id != call_id)
+
+    def prompt_ready(self, call_id: int) -> bool:
+        """A prompt of ``call_id`` can be shown now (focus rules above)."""
+        focus = self.debug_focus.get(call_id)
+        return any(p.call_id == call_id and (focus is None or p.rank == focus)
+                   for p in self.prompts)
+
+    def serve_prompt(self, call_id: int) -> None:
+        """User's thread, not leading the loop: ask for one line and send it."""
+        focus = self.debug_focus.get(call_id)
+        prompt = next((p for p in self.prompts if p.call_id == call_id
+                       and (focus is None or p.rank == focus)), None)
+        if prompt is None:
+            return
+        self.prompts.remove(prompt)
+        others = sorted({p.rank for p in self.prompts if p.call_id == call_id} - {prompt.rank})
+        if focus is None and others:
+            call = self.calls.get(call_id)
+            if call is not None:
+                who = (f"rank {others[0]} also stopped and comes next" if len(others) == 1
+                       else f"ranks {format_ranks(others)} also stopped and come next")
+                call.output.note(f"monarch_nb: rank {prompt.rank} is in the debugger; {who} "
+                                 "(c continues to the next one)")
+        self.debug_focus[call_id] = prompt.rank
+        answer = self._ask_user(prompt)
+        if answer.strip() in _RELEASING:
+            self.debug_focus[call_id] = None
+        call = self.calls.get(call_id)
+        if call is not None:
+            call.progress_at = time.monotonic()
+        frames = self.codec.sign(Kind.INPUT, meta={"text": answer})
+        ctl_id = self.ranks[prompt.rank].ctl_id
+        self.io.call_soon(lambda: self.io.send(ctl_id, frames))
+
+    def _ask_user(self, prompt: Prompt) -> str:
+        label = f"[rank {prompt.rank}] {prompt.text}"
+        ask = self.ask or builtins.input  # looked up now: ipykernel swaps it per cell
+        try:
+            return str(ask(label))
+        except EOFError:
+            return "\x04"
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # e.g. a front end without an input box
+            fallback = "c" if "pdb" in prompt.text.lower() else "\x04"
+            print(f"monarch_nb: cannot ask for input here ({type(exc).__name__}: {exc}); "
+                  f"rank {prompt.rank} was sent {'c (continue)' if fallback == 'c' else 'end of input'}")
+            return fallback
+
+
+def native_stack(pid: int | None) -> str:
+    """py-spy's dump of a process with native frames, where py-spy is
+    installed and allowed to attach; otherwise a line saying why not."""
+    import shutil
+    import subprocess
+
+    if pid is None:
+        return "(no process)"
+    import os
+    import sys
+
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")  # a venv's bin/
+    exe = shutil.which("py-spy") or (beside if os.access(beside, os.X_OK) else None)
+    if exe is None:
+        return "(native frames need py-spy: pip install py-spy)"
+    try:
+        out = subprocess.run([exe, "dump", "--native", "--pid", str(pid)], capture_output=True,
+                             text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(py-spy failed: {exc})"
+    return out.stdout if out.returncode == 0 else f"(py-spy failed: {out.stderr.strip()[:300]})"
+

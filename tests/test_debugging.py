@@ -1,0 +1,208 @@
+"""Debugging from the Python API, with real ranks: stacks of a deadlocked
+group, the hang watchdog, post-mortem and breakpoints through the prompt
+relay, logs across incarnations. (The same through the magics in a real
+kernel: test_debug_kernel.py.)"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from monarch_nb import Mesh, UsageError
+from monarch_nb.output import CallOutput
+
+from .conftest import wait_for
+
+DEADLOCK = """
+import time, torch, torch.distributed as dist, monarch_nb as mnb
+def waiting_for_peer():
+    x = torch.ones(1)
+    dist.all_reduce(x)
+def stuck_here():
+    time.sleep(60)
+if mnb.rank() == 1:
+    stuck_here()
+else:
+    waiting_for_peer()
+"""
+
+
+@pytest.fixture
+def mesh3() -> Iterator[Mesh]:
+    mesh = Mesh.start(n=3, backend="cpu")
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+class Script:
+    """Answers debugger prompts in order, recording them."""
+
+    def __init__(self, *answers: str) -> None:
+        self.answers = list(answers)
+        self.prompts: list[str] = []
+
+    def __call__(self, prompt: str) -> str:
+        self.prompts.append(prompt)
+        return self.answers.pop(0) if self.answers else "c"
+
+
+def collected() -> tuple[CallOutput, list[str]]:
+    lines: list[str] = []
+    return CallOutput(lambda stream, text: lines.append(text)), lines
+
+
+def test_stacks_of_a_deadlocked_group_and_stop(mesh3: Mesh) -> None:
+    fut = mesh3.exec(DEADLOCK, name="<mnb-cell-5>", block=False)
+    # wait until rank 1 sleeps and the others are in the collective
+    def settled() -> object:
+        st = mesh3.stacks()
+        return st if len(st.groups()) == 2 and st[0].collective() else None
+
+    st = wait_for(settled, timeout=30, interval=0.2, what="two groups of stacks")
+    summary = st.summary()
+    assert summary[0].startswith("ranks 0,2: in all_reduce (collective), from waiting_for_peer "
+                                 "(<mnb-cell-5> line 5)"), summary
+    assert summary[1] == "rank 1: in stuck_here (<mnb-cell-5> line 7): time.sleep(60)"
+    assert "that rank 1 has not reached" in st.hint()
+    assert set(mesh3.stacks("0,2")) == {0, 2}
+    pids = [p.pid for p in mesh3._ctl.supervisor.procs.values()]
+    t0 = time.monotonic()
+    mesh3.stop()  # ranks stuck in gloo and in sleep: ended within a few seconds
+    assert time.monotonic() - t0 < 15
+    assert fut.done()
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_hang_watchdog_prints_grouped_stacks_once(mesh3: Mesh) -> None:
+    out, lines = collected()
+    ctl = mesh3._ctl
+    from monarch_nb.protocol import Kind
+
+    code = ("import time, monarch_nb as mnb\n"
+            "def slow():\n    time.sleep(2.5 if mnb.rank() == 2 else 0.01)\n"
+            "slow()\n")
+    fut = ctl.submit(Kind.EXEC, (0, 1, 2), [], {"code": code, "name": "<mnb-cell-8>"}, out,
+                     hang_timeout=0.8)
+    mesh3.wait(fut, 30)
+    text = "".join(lines)
+    assert text.count("no progress for 0.8 s") == 1, text
+    assert "rank 2: in slow (<mnb-cell-8> line 3)" in text
+    assert "ranks 0" not in text  # finished ranks are not part of the report
+    # progress (output) keeps the watchdog quiet
+    out2, lines2 = collected()
+    code2 = "import time\nfor i in range(6):\n    print(i, flush=True)\n    time.sleep(0.3)\n"
+    fut2 = ctl.submit(Kind.EXEC, (0,), [], {"code": code2, "name": "<mnb-cell-9>"}, out2,
+                      hang_timeout=1.0)
+    mesh3.wait(fut2, 30)
+    assert "no progress" not in "".join(lines2)
+
+
+def test_post_mortem_evaluates_in_the_failed_frame(mesh3: Mesh) -> None:
+    with pytest.raises(Exception, match="ZeroDivisionError"):
+        mesh3.exec("def f(x):\n    y = x - 4\n    return x / y\nf(4)\n", name="<mnb-cell-3>")
+    script = Script("p x * 10", "up", "l", "q")
+    mesh3._ctl.ask = script
+    out, _ = collected()
+    mesh3._ctl.default_output = out
+    mesh3.debug(1)
+    assert script.prompts[0] == "[rank 1] (Pdb) "
+    assert len(script.prompts) == 4
+    # the rank stays usable, its namespace intact
+    assert mesh3.ranks(1).run(lambda: 7) == {1: 7}
+    assert mesh3.exec("f.__name__") == {0: "f", 1: "f", 2: "f"}
+
+
+def test_post_mortem_output_reaches_the_caller(mesh3: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(Exception, match="ZeroDivisionError"):
+        mesh3.exec("def g(x):\n    return x / 0\ng(21)\n", name="<mnb-cell-4>")
+    capsys.readouterr()
+    mesh3._ctl.ask = Script("p x * 2", "q")
+    mesh3.debug(2)
+    out = capsys.readouterr().out
+    assert "[2] post-mortem of ZeroDivisionError" in out
+    assert "[2] > <mnb-cell-4>(2)g()" in out
+    assert "[2] 42" in out
+
+
+def test_debug_without_an_error_is_a_clear_mistake(mesh3: Mesh) -> None:
+    with pytest.raises(UsageError, match="no failed call to debug"):
+        mesh3.debug(0)
+    assert mesh3.run(lambda: 1) == {0: 1, 1: 1, 2: 1}
+
+
+def test_breakpoints_are_served_one_rank_at_a_time(mesh3: Mesh,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    script = Script("p a", "n", "p a", "c",  # rank in focus first: step, then continue
+                    "p a + 100", "c",  # the next rank that stopped
+                    "c")
+    mesh3._ctl.ask = script
+    cell = "a = 1\nbreakpoint()\na = 2\na = a * 3\na\n"
+    res = mesh3.ranks("0,1").exec(cell, name="<mnb-cell-6>")
+    assert res == {0: 6, 1: 6}
+    cap = capsys.readouterr()
+    out, err = cap.out, cap.err
+    first = int(script.prompts[0].split()[1].rstrip("]"))
+    second = 1 - first
+    assert script.prompts[:4] == [f"[rank {first}] (Pdb) "] * 4
+    assert script.prompts[4:6] == [f"[rank {second}] (Pdb) "] * 2
+    assert f"[{first}] 1\n" in out and f"[{first}] 2\n" in out
+    assert f"[{second}] 101\n" in out
+    # the rank waiting its turn is named
+    assert f"rank {second} also stopped and comes next" in err or \
+        f"rank {second} stopped in the debugger too; it is next after rank {first}" in err, err
+    assert mesh3.run(lambda: "fine") == {0: "fine", 1: "fine", 2: "fine"}
+
+
+def test_interrupt_at_a_debugger_prompt_ends_the_call(mesh3: Mesh) -> None:
+    def interrupt(prompt: str) -> str:
+        raise KeyboardInterrupt
+
+    mesh3._ctl.ask = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        mesh3.ranks(1).exec("x = 1\nbreakpoint()\nx = 2\n", name="<mnb-cell-12>")
+    mesh3._ctl.ask = Script()
+    # the rank left pdb and takes calls; pdb left no SIGINT handler behind
+    assert mesh3.ranks(1).run(lambda: 3, timeout=30) == {1: 3}
+    assert mesh3.ranks(1).exec("import pdb\npdb.set_trace()\ny = 5\ny") == {1: 5}
+    handler = mesh3.ranks(1).exec("import signal\nsignal.getsignal(signal.SIGINT).__name__")
+    assert handler == {1: "_on_sigint"}
+
+
+def test_native_frames_through_py_spy(mesh3: Mesh) -> None:
+    import shutil
+    import sys
+    from pathlib import Path
+
+    if not (shutil.which("py-spy") or (Path(sys.executable).parent / "py-spy").exists()):
+        pytest.skip("py-spy is not installed (it is in the dev extra)")
+    fut = mesh3.ranks(0).exec("import time\ndef in_c_sleep():\n    time.sleep(30)\nin_c_sleep()\n",
+                              name="<mnb-cell-11>", block=False)
+    wait_for(lambda: "in_c_sleep" in mesh3.stacks("0")[0].where(), timeout=20, what="sleeping")
+    st = mesh3.stacks("0", native=True)
+    native = st[0].native
+    assert "clock_nanosleep" in native or "time_sleep" in native, native
+    assert "in_c_sleep (<mnb-cell-11>:3)" in native, native
+    assert "native (py-spy):" in st.render()
+    fut.cancel()
+    mesh3.stop()
+
+
+def test_logs_cover_earlier_incarnations(mesh3: Mesh) -> None:
+    mesh3.ranks(2).exec("print('before the kill')")
+    mesh3.kill(2)
+    wait_for(lambda: mesh3.status()[2]["state"] == "ready", timeout=60, what="rank 2 back")
+    mesh3.ranks(2).exec("print('after the kill')")
+    lines = mesh3.logs(2, tail=50)
+    text = "\n".join(lines)
+    assert "--- rank 2, incarnation 0" in text and "killed by SIGKILL" in text
+    assert "--- rank 2, incarnation 1" in text and "running" in text
+    assert text.index("before the kill") < text.index("after the kill")
+    assert mesh3.logs(2, tail=1)[-1] == "after the kill"
+    with pytest.raises(UsageError):
+        mesh3.logs(2, tail=0)
