@@ -72,6 +72,7 @@ $(BENCH_STAMP): pyproject.toml $(STAMP)
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/respawn.py
+	$(PY) benchmarks/metrics.py
 
 lint: venv
 	$(PY) -m ruff check monarch_nb

@@ -10,6 +10,7 @@ Rank side (inside ``%%monarch`` cells and functions sent with ``mesh.run``)::
 
     import monarch_nb as mnb
     mnb.rank(), mnb.world_size(), mnb.local_rank(), mnb.device(), mnb.incarnation()
+    mnb.log(loss=0.3)   # feeds the live dashboard (non-blocking)
 
 In IPython: ``%load_ext monarch_nb`` adds ``%monarch`` and ``%%monarch``.
 """
@@ -33,6 +34,7 @@ from .errors import (
 )
 from .futures import MeshFuture
 from .mesh import Mesh, RankResults, SubMesh, stop_all
+from .metrics import log
 
 __version__ = "0.1.0"
 
@@ -40,7 +42,7 @@ __all__ = [
     "Mesh", "SubMesh", "RankResults", "MeshFuture", "chaos", "elastic",
     "MonarchError", "MeshNotRunning", "RemoteError", "RankErrors", "RankDied",
     "MembershipChanged", "CallTimeout", "UsageError",
-    "rank", "world_size", "local_rank", "device", "incarnation",
+    "rank", "world_size", "local_rank", "device", "incarnation", "log",
     "load_ipython_extension", "unload_ipython_extension",
 ]
 

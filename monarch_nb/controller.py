@@ -44,6 +44,8 @@ from .config import MeshConfig
 from .errors import MonarchError, RankDied, RankErrors, RemoteError
 from .futures import MeshFuture
 from .inspector import Inspector
+from .metrics import decode as decode_metrics
+from .metricstore import MetricsStore
 from .output import CallOutput
 from .policy import (
     Died,
@@ -90,6 +92,7 @@ class Controller(Inspector, Recovery):
         )
         self.ranks = [RankInfo(r) for r in range(world_size)]
         self.events: list[Event] = []
+        self.metrics = MetricsStore(world_size)  # mnb.log series (metricstore.py)
         self.calls: dict[int, PendingCall] = {}
         self.interrupt_where: dict[int, dict[int, str]] = {}
         self._call_ids = itertools.count(1)
@@ -158,6 +161,7 @@ class Controller(Inspector, Recovery):
         info.token = secrets.token_hex(8)
         info.silent_for = None
         info.exitcode = None
+        info.health = {}
         proc = self.supervisor.spawn(info.rank, info.incarnation, info.identity)
         info.pid = proc.pid
         info.state = RankState.STARTING
@@ -349,7 +353,9 @@ class Controller(Inspector, Recovery):
         elif kind == Kind.OUTPUT:
             self._on_output(info, msg)
         elif kind == Kind.HEARTBEAT:
-            pass
+            info.health = msg.meta.get("h") or info.health
+        elif kind == Kind.METRICS:
+            self._on_metrics(info, msg)
         elif kind == Kind.INTERRUPTED:
             # Kept even after the call finished: the answer travels on the
             # control socket and may overtake or trail the RESULT.
@@ -398,10 +404,23 @@ class Controller(Inspector, Recovery):
         if target is not None:
             for stream, text in items:
                 target.feed(info.rank, str(stream), str(text))
+        self._count_chunk(call, info, msg)
+
+    def _on_metrics(self, info: RankInfo, msg: Message) -> None:
+        call = self.calls.get(msg.header.call)
+        if call is not None:
+            call.progress_at = time.monotonic()  # a metric is progress (hang watchdog)
+        if msg.payload:
+            self.metrics.add(info.rank, info.incarnation, decode_metrics(msg.payload[0]))
+        self._count_chunk(call, info, msg)
+
+    def _count_chunk(self, call: PendingCall | None, info: RankInfo, msg: Message) -> None:
+        """OUTPUT chunks and METRICS batches sent on the control socket
+        during a call are counted; the RESULT waits for all of them."""
         if call is not None and int(msg.meta.get("n", -1)) >= 0:
             call.chunks_seen[info.rank] = call.chunks_seen.get(info.rank, 0) + 1
             held = call.held.get(info.rank)
-            if held is not None and call.chunks_seen[info.rank] >= int(held.meta.get("n_out", 0)):
+            if held is not None and call.chunks_seen[info.rank] >= _announced(held):
                 del call.held[info.rank]
                 self._complete_rank(call, info, held)
 
@@ -409,7 +428,7 @@ class Controller(Inspector, Recovery):
         call = self.calls.get(msg.header.call)
         if call is None or info.rank not in call.remaining:
             return
-        if call.chunks_seen.get(info.rank, 0) < int(msg.meta.get("n_out", 0)):
+        if call.chunks_seen.get(info.rank, 0) < _announced(msg):
             call.held[info.rank] = msg  # output chunks still on their way
             return
         self._complete_rank(call, info, msg)
@@ -586,3 +605,9 @@ def _output_items(frame: Any) -> list[tuple[str, str]]:
         return [(str(stream), str(text)) for stream, text in items]
     except (ValueError, TypeError):
         return [("stderr", "[monarch_nb: unreadable output chunk dropped]\n")]
+
+
+def _announced(result: Message) -> int:
+    """Control-socket messages a RESULT says preceded it: output chunks
+    (``n_out``) and mnb.log batches (``n_m``)."""
+    return int(result.meta.get("n_out", 0)) + int(result.meta.get("n_m", 0))

@@ -26,7 +26,7 @@ HELP = """\
 %monarch start [-n N] [--backend auto|cuda|rocm|cpu] [--respawn rank|all|off]
                [--launcher local|ssh|slurm] [--hosts H1,H2] [--no-dashboard]
                [--hang-timeout SECONDS]
-%monarch stop | status | help
+%monarch stop | status | dashboard | help
 %monarch push NAME [NAME ...] [--ranks SPEC]    send kernel variables to the ranks
 %monarch pull NAME [--ranks SPEC]               fetch a variable from the ranks
 %monarch kill RANK [--signal KILL|TERM|STOP|INT] fault injection
@@ -174,6 +174,8 @@ class MonarchMagics(Magics):
             handle.update(_Text(text))
         else:
             print(text)
+        if not args.no_dashboard:
+            display(mesh.dashboard())
 
     def _cmd_stop(self, rest: str) -> None:
         mesh = self._mesh()
@@ -236,8 +238,9 @@ class MonarchMagics(Magics):
         print(f"monarch_nb: restarting rank {args.rank}; calls to it wait until it is back")
 
     def _cmd_dashboard(self, rest: str) -> None:
-        mesh = self._mesh()
-        print(format_status(mesh))
+        from IPython.display import display
+
+        display(self._mesh().dashboard())
 
     def _cmd_stacks(self, rest: str) -> None:
         args = _parse(_P.stacks, rest)
@@ -288,15 +291,39 @@ class _Text:
         return self.text
 
 
+def _bytes(b: float | None) -> str:
+    if b is None:
+        return "n/a"
+    return f"{b / 1e9:.1f}G" if b >= 1e9 else f"{b / 1e6:.0f}M"
+
+
+def _gpu(r: dict[str, Any]) -> str:
+    if r.get("gpu_mem_total") is None:
+        return "n/a"
+    extra = [f"{v:.0f}{unit}" if v is not None else "n/a" for v, unit in
+             ((r.get("gpu_util"), "%"), (r.get("gpu_temp"), "C"), (r.get("gpu_power"), "W"))]
+    return (f"{_bytes(r['gpu_mem'])}/{_bytes(r['gpu_mem_total'])} peak {_bytes(r['gpu_mem_peak'])} "
+            + " ".join(extra))
+
+
 def format_status(mesh: Mesh) -> str:
+    """The status table of ``%monarch status`` and of the dashboard's text
+    fallback (n/a: not measured here, e.g. no GPU or no NVML)."""
     rows = mesh.status()
     head = f"mesh: {mesh.world_size} ranks · {mesh.backend} · " + (
         "running" if mesh.running else "stopped")
-    lines = [head, f"{'rank':>4}  {'state':<9} {'pid':>7}  {'inc':>3}  {'device':<10} {'heartbeat':>9}  exit"]
+    lines = [head, f"{'rank':>4}  {'state':<10} {'pid':>7}  {'inc':>3}  {'device':<7} "
+                   f"{'heartbeat':>9} {'cpu%':>6} {'rss':>6}  {'gpu mem/total peak util temp power':<22} "
+                   f"{'steps/s':>8}  last / exit"]
     for r in rows:
         hb = "-" if r["heartbeat_age"] is None else f"{r['heartbeat_age']:.1f}s ago"
-        lines.append(f"{r['rank']:>4}  {r['state']:<9} {r['pid'] or '-':>7}  {r['incarnation']:>3}  "
-                     f"{r['device'] or '-':<10} {hb:>9}  {r['exit']}")
+        cpu = "n/a" if r.get("cpu") is None else f"{r['cpu']:.0f}"
+        sps = "-" if r.get("steps_per_s") is None else f"{r['steps_per_s']:.1f}"
+        last = " ".join(f"{k}={v:.4g}" for k, v in (r.get("last") or {}).items())
+        tail = "  ".join(x for x in (last, r["exit"]) if x)
+        lines.append(f"{r['rank']:>4}  {r['state']:<10} {r['pid'] or '-':>7}  {r['incarnation']:>3}  "
+                     f"{r['device'] or '-':<7} {hb:>9} {cpu:>6} {_bytes(r.get('rss')):>6}  "
+                     f"{_gpu(r):<22} {sps:>8}  {tail}".rstrip())
     dead = [r["rank"] for r in rows if r["state"] == "dead"]
     if dead:
         lines.append(f"dead: rank {format_ranks(dead)}")

@@ -32,6 +32,7 @@ from .debug import post_mortem as _post_mortem
 from .errors import CallTimeout, MeshNotRunning, MonarchError, RankErrors, RemoteError, UsageError
 from .futures import MeshFuture
 from .inspector import STACKS_TIMEOUT_S
+from .metricstore import health_fields
 from .output import CallOutput
 from .protocol import Kind
 from .selection import format_ranks, parse_ranks
@@ -277,9 +278,13 @@ class Mesh(_RankSet):
         self._live().restart(ranks)
 
     def status(self) -> list[dict[str, Any]]:
-        """One dict per rank: state, pid, incarnation, device, heartbeat age..."""
+        """One dict per rank: state, pid, incarnation, device, heartbeat age,
+        exit, restarts, host, health (cpu %, rss bytes; GPU memory used /
+        total / peak bytes, util %, temp °C, power W: None = n/a), steps/s
+        and the last value of each ``mnb.log`` metric."""
         now = time.monotonic()
         rows = []
+        store = self._ctl.metrics
         for info in self._ctl.ranks:
             rows.append({
                 "rank": info.rank, "state": info.state.value, "pid": info.pid,
@@ -287,8 +292,18 @@ class Mesh(_RankSet):
                 "heartbeat_age": round(now - info.last_heartbeat, 2) if info.last_heartbeat else None,
                 "exit": self._ctl.describe_exit(info.exitcode)
                 if info.state in (RankState.DEAD, RankState.FAILED) else "",
+                "restarts": info.incarnation, "host": info.host,
+                **health_fields(info.health),
+                "steps_per_s": store.steps_per_s(info.rank, now), "last": store.last(info.rank),
             })
         return rows
+
+    def dashboard(self) -> Any:
+        """The live dashboard widget (one per mesh; display it in a cell).
+        Plain-text front ends show the status table instead."""
+        from .dashboard import dashboard_for  # a front end: imported on demand
+
+        return dashboard_for(self)
 
     @property
     def events(self) -> list[dict[str, Any]]:

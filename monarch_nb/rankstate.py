@@ -43,6 +43,7 @@ class RankInfo:
     start_error: str = ""
     started_at: float = field(default_factory=time.monotonic)
     ready_at: float | None = None
+    health: dict[str, Any] = field(default_factory=dict)  # latest HEARTBEAT's (health.py)
 
     @property
     def identity(self) -> str:

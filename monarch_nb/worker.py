@@ -38,15 +38,17 @@ from typing import Any
 
 import zmq
 
-from . import _context, config, debug, serialize, spare
+from . import _context, config, debug, metrics, serialize, spare
 from .backends import init_group
 from .capture import OutputBuffer, RankStream
 from .config import RankEnv
+from .health import HealthProbe
 from .protocol import Codec, Kind, Message
 from .transport import dealer, recv_verified, send_frames
 
 HEARTBEAT_S = 0.5
 OUTPUT_FLUSH_S = 0.02
+METRICS_FLUSH_S = 0.2  # mnb.log batches while a call runs (the rest goes with the RESULT)
 _WORKER_FILE = __file__.removesuffix("c")
 
 
@@ -73,6 +75,7 @@ class Worker:
         self.ctl_sock = dealer(self.ctx, self.ctl_id, env.controller)
         self.dropped: collections.Counter[str] = collections.Counter()
         self.output = OutputBuffer()
+        self.metrics = metrics.buffer()
         self.calls = serialize.CallCache()
         self.running_call = 0
         self.interrupt_call = 0
@@ -151,6 +154,9 @@ class Worker:
         if leftover:
             self._send_main(Kind.OUTPUT, [_json(leftover)], call=0, meta={"n": -1})
         self.stdin.reset()
+        left = self.metrics.begin(call)  # logged between calls (by a user thread)
+        if left:
+            self._send_main(Kind.METRICS, [metrics.encode(left)], meta={"n": -1})
         self.running_call = call
         _context._set(call_generation=int(msg.meta.get("generation", 0)))
         ok, value, error = True, None, None
@@ -178,11 +184,18 @@ class Worker:
         if isinstance(sys.stdout, RankStream):
             sys.stdout.flush()
         n_out, tail = self.output.finish()
+        # mnb.log points: the rest goes on this socket ahead of the RESULT;
+        # batches the control thread sent are counted like output chunks.
+        n_m, points = self.metrics.finish()
+        if points:
+            self._send_main(Kind.METRICS, [metrics.encode(points)], call=call, meta={"n": -1})
         # Defaults (ok, no chunks) are left out: a plain success carries no
         # JSON at all, which is most of the no-op path.
         meta: dict[str, Any] = {} if ok else {"ok": False}
         if n_out:
             meta["n_out"] = n_out
+        if n_m:
+            meta["n_m"] = n_m
         payload: list[Any] = []
         if ok and value is not None:
             try:
@@ -299,9 +312,10 @@ class Worker:
                                          "host": os.uname().nodename})
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        next_beat = 0.0
+        next_beat = next_metrics = 0.0
+        health = HealthProbe()
         while True:
-            busy = self.running_call != 0 or self.output.pending
+            busy = self.running_call != 0 or self.output.pending or self.metrics.pending
             events = poller.poll(OUTPUT_FLUSH_S * 1000 if busy else HEARTBEAT_S * 500)
             now = time.monotonic()
             if events:
@@ -322,9 +336,16 @@ class Worker:
             if prompt is not None:  # after the output: the listing shows above the box
                 self.prompt_out = None
                 self._send_ctl(Kind.PROMPT, call=prompt[0], meta={"prompt": prompt[1]})
+            if now >= next_metrics:
+                next_metrics = now + METRICS_FLUSH_S
+                batch = self.metrics.take()
+                if batch is not None:
+                    call, n, points = batch
+                    self._send_ctl(Kind.METRICS, call=call, meta={"n": n},
+                                   payload=[metrics.encode(points)])
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_S
-                self._send_ctl(Kind.HEARTBEAT, meta={"busy": self.running_call})
+                self._send_ctl(Kind.HEARTBEAT, meta={"busy": self.running_call, "h": health.read()})
                 if now - self.last_ping > env.controller_timeout:
                     sys.__stderr__.write(f"monarch_nb rank {env.rank}: controller silent for "
                                          f"{env.controller_timeout:g} s, exiting\n")

@@ -1,0 +1,167 @@
+"""What the dashboard sends: messages built from controller state, throttled.
+
+:class:`Feed` turns a :class:`~monarch_nb.metricstore.MetricsStore`, the
+mesh's status rows and its event list into the dashboard's custom
+messages; it keeps cursors so that each message carries only what changed:
+
+* ``{"t": "snapshot", ...}``: everything (thinned series, every tile, the
+  recent events), sent when a view asks (a fresh page) or fell behind;
+* ``{"t": "delta", ...}``: new points (grouped per rank and metric), series
+  cuts (a respawned rank that resumed from an earlier step), tiles whose
+  figures changed, new events, the metric names when a new one appeared.
+
+:class:`Throttle` spaces messages at least ``1 / max_hz`` apart. Both are
+pure (no threads, no widgets, clock passed in) and tested without processes.
+
+Non-goals: the widget and its thread (dashboard.py), the series (metricstore.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from .metricstore import MetricsStore
+
+MAX_HZ = 10.0
+SNAPSHOT_POINTS = 2000  # per series in a snapshot (the newest point always exact)
+MAX_EVENTS = 200
+# startup noise: a first incarnation starting and becoming ready is not news
+_QUIET = {"started", "ready"}
+
+
+class Throttle:
+    def __init__(self, max_hz: float = MAX_HZ) -> None:
+        self.interval = 1.0 / max_hz
+        self.last = -math.inf
+
+    def wait(self, now: float) -> float:
+        """Seconds until the next message may go (0: now)."""
+        return max(0.0, self.last + self.interval - now)
+
+    def take(self, now: float) -> bool:
+        """True (and the slot is used) if a message may go now."""
+        if now - self.last < self.interval:
+            return False
+        self.last = now
+        return True
+
+
+def _num(value: Any) -> Any:
+    """JSON-safe number: non-finite floats become None (a gap in the chart)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def fmt_value(value: float) -> str:
+    return f"{value:.4g}" if math.isfinite(value) else str(value)
+
+
+def tile(row: dict[str, Any]) -> dict[str, Any]:
+    """A status row (``mesh.status()``) as the dashboard's tile: numbers
+    (None = n/a), heartbeat age rounded so idle tiles do not change."""
+    age = row.get("heartbeat_age")
+    out = {k: _num(v) for k, v in row.items() if k not in ("heartbeat_age", "last", "steps_per_s")}
+    out["hb"] = None if age is None else (0 if age < 1.5 else round(age))
+    sps = row.get("steps_per_s")
+    out["sps"] = None if sps is None else round(sps, 1)
+    out["last"] = {k: fmt_value(v) for k, v in (row.get("last") or {}).items()}
+    return out
+
+
+def _event(e: dict[str, Any]) -> dict[str, Any]:
+    return {"time": e["time"], "rank": e["rank"], "inc": e["incarnation"], "kind": e["kind"],
+            "detail": e.get("detail", "")}
+
+
+def _news(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [_event(e) for e in events if not (e["kind"] in _QUIET and e["incarnation"] == 0)]
+
+
+class Feed:
+    def __init__(self, store: MetricsStore, rows: Callable[[], list[dict[str, Any]]],
+                 events: Callable[[], list[dict[str, Any]]]) -> None:
+        self.store = store
+        self.rows = rows
+        self.events = events
+        self.cursor = 0
+        self.want_snapshot = True
+        self._tiles: dict[int, dict[str, Any]] = {}
+        self._events_seen = 0
+        self._names = 0
+        self.state = "running"
+
+    def _tiles_now(self) -> list[dict[str, Any]]:
+        tiles = [tile(r) for r in self.rows()]
+        if self.state == "stopped":  # ranks stopped with the mesh are not deaths
+            for t in tiles:
+                t["state"] = "stopped"
+        return tiles
+
+    def next(self) -> dict[str, Any] | None:
+        """The next message, or None when nothing changed."""
+        if self.want_snapshot:
+            return self.snapshot()
+        got = self.store.since(self.cursor)
+        if got is None:  # fell behind the store's change log
+            return self.snapshot()
+        self.cursor, changes = got
+        msg: dict[str, Any] = {"t": "delta"}
+        if changes:
+            series: dict[tuple[int, str], list[list[Any]]] = {}
+            cuts = []
+            for rank, name, step, value, cut in changes:
+                if cut:
+                    cuts.append([rank, name, step])
+                    continue
+                entry = series.get((rank, name))
+                if entry is None:
+                    entry = series[(rank, name)] = [[], []]
+                entry[0].append(step)
+                entry[1].append(_num(value))
+            msg["series"] = [[r, n, s, v] for (r, n), (s, v) in series.items()]
+            if cuts:
+                msg["cuts"] = cuts
+        tiles = []
+        for t in self._tiles_now():
+            if self._tiles.get(t["rank"]) != t:
+                self._tiles[t["rank"]] = t
+                tiles.append(t)
+        if tiles:
+            msg["tiles"] = tiles
+        events = self.events()
+        if len(events) > self._events_seen:
+            news = _news(events[self._events_seen:])
+            self._events_seen = len(events)
+            if news:
+                msg["events"] = news
+        names = list(self.store.names)
+        if len(names) != self._names:
+            self._names = len(names)
+            msg["names"] = names
+        return msg if len(msg) > 1 else None
+
+    def snapshot(self) -> dict[str, Any]:
+        self.want_snapshot = False
+        self.cursor, everything = self.store.snapshot(SNAPSHOT_POINTS)
+        rows = self._tiles_now()
+        self._tiles = {t["rank"]: t for t in rows}
+        events = self.events()
+        self._events_seen = len(events)
+        names = list(self.store.names)
+        self._names = len(names)
+        return {
+            "t": "snapshot", "world": self.store.world_size, "state": self.state,
+            "series": [[r, n, s, [_num(x) for x in v]] for (r, n), (s, v) in everything.items()],
+            "tiles": rows, "events": _news(events)[-MAX_EVENTS:], "names": names,
+        }
+
+
+def count_points(msg: dict[str, Any]) -> int:
+    """Points carried by a message (benchmarks, tests)."""
+    return sum(len(s) for _r, _n, s, _v in msg.get("series", ()))
+
+
+__all__ = ["Feed", "Throttle", "tile", "fmt_value", "count_points", "MAX_HZ"]
