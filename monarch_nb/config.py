@@ -75,6 +75,10 @@ class MeshConfig:
     start_timeout: float = 120.0
     max_message_bytes: int = 4 << 30
     extra_env: tuple[tuple[str, str], ...] = field(default=())
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    master_addr: str | None = None
+    insecure_no_encryption: bool = False
 
     def __post_init__(self) -> None:
         if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1):
