@@ -49,6 +49,10 @@ ENV_CURVE_SECRET = "MONARCH_NB_CURVE_SECRET"
 SECRET_ENV = (ENV_KEY, ENV_CURVE_SECRET)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# ssh launcher: the remote shell command, {host} replaced; the worker command
+# is appended as one argument (e.g. "ip netns exec {host} sh -c").
+ENV_SSH = "MONARCH_NB_SSH"
+DEFAULT_SSH = "ssh -T -o BatchMode=yes {host}"
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,7 @@ class MeshConfig:
     respawn: Respawn = "rank"
     launcher: Launcher = "local"
     hosts: tuple[str, ...] = ()
-    bind: str = "127.0.0.1"
+    bind: str = None  # type: ignore[assignment]  # None: loopback (local), "*" (ssh, slurm)
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 3.0
     controller_timeout: float = 10.0
@@ -107,6 +111,8 @@ class MeshConfig:
             raise UsageError(f"respawn {self.respawn!r} is not one of {', '.join(RESPAWN_MODES)}")
         if self.launcher not in LAUNCHERS:
             raise UsageError(f"launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
+        if self.bind is None:
+            object.__setattr__(self, "bind", "127.0.0.1" if self.launcher == "local" else "*")
         if self.launcher == "ssh" and not self.hosts:
             raise UsageError("--launcher ssh needs --hosts H1,H2 (one or more hosts)")
         for name in ("nodes", "gpus_per_node"):
@@ -227,6 +233,12 @@ def write_key_file(path: str, key: bytes) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
+
+
+def ssh_template() -> list[str]:
+    import shlex
+
+    return shlex.split(os.environ.get(ENV_SSH) or DEFAULT_SSH)
 
 
 def default_cpu_ranks() -> int:

@@ -43,6 +43,7 @@ from .backends import BackendInfo
 from .config import LOOPBACK, MeshConfig
 from .errors import MembershipChanged, MonarchError, RankDied, RankErrors, RemoteError, is_peer_loss
 from .futures import MeshFuture
+from .launchers import Launcher, LocalLauncher
 from .output import CallOutput
 from .policy import (
     Died,
@@ -71,7 +72,8 @@ log = logging.getLogger(__name__)
 class Controller(Recovery):
     """Runs the I/O thread, the supervisor and the bookkeeping of one mesh."""
 
-    def __init__(self, cfg: MeshConfig, backend: BackendInfo, world_size: int) -> None:
+    def __init__(self, cfg: MeshConfig, backend: BackendInfo, world_size: int,
+                 launcher: Launcher | None = None) -> None:
         self.cfg = cfg
         self.backend = backend
         self.world_size = world_size
@@ -90,7 +92,7 @@ class Controller(Recovery):
             key=self.key, mesh_id=self.mesh_id, master_port=_free_port(),
             controller_timeout=cfg.controller_timeout,
             extra_env={**dict(cfg.extra_env), **(self.curve.rank_env() if self.curve else {})},
-            max_message_bytes=cfg.max_message_bytes,
+            max_message_bytes=cfg.max_message_bytes, launcher=launcher or LocalLauncher(),
         )
         self.ranks = [RankInfo(r) for r in range(world_size)]
         self.events: list[Event] = []

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from typing import Any
 
-from . import backends, serialize
+from . import backends, launchers, serialize
 from .config import MeshConfig
 from .controller import Controller, Event, RankInfo, RankState
 from .errors import CallTimeout, MeshNotRunning, MonarchError, RankErrors, UsageError
@@ -192,12 +192,16 @@ class Mesh(_RankSet):
             hosts = tuple(h for h in hosts.split(",") if h)
         cfg = MeshConfig(n=n, backend=backend, respawn=respawn, launcher=launcher,  # type: ignore[arg-type]
                          hosts=tuple(hosts), **options)
-        info = backends.resolve(cfg.backend)
-        world = cfg.n or info.default_ranks()
-        if info.devices and world > len(info.devices):
+        launcher, world = launchers.from_config(cfg, cfg.n)
+        if launcher.remote:  # GPUs are counted on the nodes, not here
+            info = launchers.remote_backend(cfg.backend, launcher)
+        else:
+            info = backends.resolve(cfg.backend)
+        world = world or info.default_ranks()
+        if not launcher.remote and info.devices and world > len(info.devices):
             raise UsageError(f"-n {world} asks for more ranks than the {len(info.devices)} visible "
                              f"GPU(s); use -n {len(info.devices)} or --backend cpu")
-        ctl = Controller(cfg, info, world)
+        ctl = Controller(cfg, info, world, launcher)
         try:
             ctl.start(progress)
         except BaseException:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 
@@ -30,6 +29,7 @@ import psutil
 
 from . import config
 from .backends import BackendInfo, pin_env
+from .launchers import Launcher, LocalLauncher
 
 
 @dataclass
@@ -60,6 +60,7 @@ class Supervisor:
     controller_timeout: float = 10.0
     max_message_bytes: int = 4 << 30
     extra_env: dict[str, str] = field(default_factory=dict)
+    launcher: Launcher = field(default_factory=LocalLauncher)
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="monarch-nb-"))
     procs: dict[int, RankProcess] = field(default_factory=dict)
     history: list[RankProcess] = field(default_factory=list)
@@ -72,13 +73,14 @@ class Supervisor:
         for var in (config.ENV_KEY_FILE,):
             env.pop(var, None)
         env.update(self.extra_env)
+        place = self.launcher.placement(rank, self.world_size)
         env.update({
             "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
+            "LOCAL_RANK": str(place.local_rank),
             "WORLD_SIZE": str(self.world_size),
-            "LOCAL_WORLD_SIZE": str(self.world_size),
-            "GROUP_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
+            "LOCAL_WORLD_SIZE": str(place.local_world_size),
+            "GROUP_RANK": str(place.node),
+            "MASTER_ADDR": self.launcher.master_addr(self.world_size),
             "MASTER_PORT": str(self.master_port),
             config.ENV_CONTROLLER: self.controller_endpoint,
             config.ENV_KEY: self.key.hex(),
@@ -92,28 +94,20 @@ class Supervisor:
             config.ENV_MAX_MESSAGE: str(self.max_message_bytes),
             "PYTHONUNBUFFERED": "1",
         })
-        # Local ranks talk over loopback only (gloo would otherwise pick the
-        # interface the host name resolves to).
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        pin_env(self.backend, rank, env)
+        if self.launcher.remote:
+            env.pop(config.ENV_PARENT_PID, None)  # its parent is ssh/srun's, not us
+        else:
+            # Local ranks talk over loopback only (gloo would otherwise pick the
+            # interface the host name resolves to).
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        pin_env(self.backend, place.local_rank, env)
         return env
 
     def spawn(self, rank: int, incarnation: int, identity: str) -> RankProcess:
         log_path = os.path.join(self.log_dir, f"rank{rank}.{incarnation}.log")
         log = open(log_path, "ab", buffering=0)
         try:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "monarch_nb.worker"],
-                env=self.env_for(rank, incarnation, identity),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                # Own session: the terminal's / Jupyter's SIGINT to the kernel's
-                # process group must not hit ranks directly; interrupts go
-                # through the controller, to the call they are meant for.
-                start_new_session=True,
-                close_fds=True,
-            )
+            popen = self.launcher.start(rank, self.env_for(rank, incarnation, identity), log)
         finally:
             log.close()
         proc = RankProcess(rank, incarnation, popen, log_path)
@@ -168,6 +162,7 @@ class Supervisor:
         return data.splitlines()[-lines:]
 
     def kill_proc(self, proc: RankProcess) -> None:
+        _close_stdin(proc)  # a remote rank's cue that its handle is gone
         if proc.popen.poll() is None:
             try:
                 os.kill(proc.pid, signal.SIGKILL)
@@ -193,6 +188,8 @@ class Supervisor:
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(still, timeout=5)
+        for proc in self.history:
+            _close_stdin(proc)
         for rank in list(self.procs):
             self.reap(rank)
 
@@ -200,3 +197,11 @@ class Supervisor:
         import shutil
 
         shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+def _close_stdin(proc: RankProcess) -> None:
+    if proc.popen.stdin is not None and not proc.popen.stdin.closed:
+        try:
+            proc.popen.stdin.close()
+        except OSError:
+            pass
