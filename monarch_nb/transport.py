@@ -107,11 +107,22 @@ def _bind_host(bind: str) -> tuple[str, str]:
 
 
 def _host_address() -> str:
+    """This host's address for other hosts: its name's address, unless that
+    is loopback (Debian maps the name to 127.0.1.1), then the address of the
+    interface of the default route (a UDP connect sends nothing)."""
     name = socket.gethostname()
     try:
-        return socket.gethostbyname(name)
+        addr = socket.gethostbyname(name)
     except OSError:
-        return name
+        addr = "127.0.0.1"
+    if not addr.startswith("127."):
+        return addr
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.255", 9))  # TEST-NET: only the routing table is asked
+            return str(s.getsockname()[0])
+    except OSError:
+        return addr
 
 
 class IOLoop:
