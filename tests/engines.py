@@ -97,16 +97,15 @@ def capture(interface: str, path: Path) -> Iterator[Path]:
     proc = subprocess.Popen(["tcpdump", "-i", interface, "-U", "-n", "-s", "0", "-Z", "root",
                              "-w", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 10
-        while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if proc.poll() is not None or not path.exists():
-            err = proc.stderr.read().decode() if proc.stderr else ""
-            unavailable(f"tcpdump could not capture on {interface}: {err.strip()}")
-        time.sleep(0.3)  # it opened the file before the capture is armed
+        # armed once it says "listening on ..." (on stderr)
+        first = proc.stderr.readline().decode() if proc.stderr else ""
+        if proc.poll() is not None or "listening" not in first:
+            rest = proc.stderr.read().decode() if proc.stderr and proc.poll() is not None else ""
+            unavailable(f"tcpdump could not capture on {interface}: {first.strip()} {rest.strip()}")
+        time.sleep(0.5)
         yield path
     finally:
-        time.sleep(0.3)  # let the last packets be written (-U: per packet)
+        time.sleep(1.0)  # let the last packets be written (-U: per packet)
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             try:
