@@ -22,11 +22,11 @@ from .errors import UsageError
 
 Backend = Literal["auto", "cuda", "rocm", "cpu"]
 Respawn = Literal["rank", "all", "off"]
-Launcher = Literal["local", "ssh", "slurm"]
+Launcher = Literal["local", "ssh", "slurm", "join"]
 
 BACKENDS: tuple[str, ...] = ("auto", "cuda", "rocm", "cpu")
 RESPAWN_MODES: tuple[str, ...] = ("rank", "all", "off")
-LAUNCHERS: tuple[str, ...] = ("local", "ssh", "slurm")
+LAUNCHERS: tuple[str, ...] = ("local", "ssh", "slurm", "join")
 
 # Environment variables written by the controller for each rank.
 ENV_CONTROLLER = "MONARCH_NB_CONTROLLER"  # tcp://host:port of the controller ROUTER
@@ -75,6 +75,8 @@ class MeshConfig:
         Messages stay signed (no forgery), but anyone on the path reads
         every value, argument and result in clear text. For benchmarks and
         trusted, isolated networks only; a warning is printed.
+    join_dir: ``launcher="join"``: where the 0600 rank spec files for
+        ``monarch-nb worker --join ... --key-file FILE`` are written.
     heartbeat_interval: seconds between controller pings and rank heartbeats.
     heartbeat_timeout: a rank whose control thread stays silent this long is
         frozen (SIGSTOP, hung host): it is killed and reported dead. The control
@@ -101,6 +103,7 @@ class MeshConfig:
     gpus_per_node: int | None = None
     master_addr: str | None = None
     insecure_no_encryption: bool = False
+    join_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1):
@@ -225,10 +228,16 @@ def read_key(env: dict[str, str] | os._Environ[str]) -> bytes:
 def write_key_file(path: str, key: bytes) -> None:
     """Write ``key`` as hex to ``path`` atomically with mode 0600 from the
     first byte (never world-readable, not even briefly)."""
+    write_secret_file(path, key.hex().encode("ascii"))
+
+
+def write_secret_file(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (a reader sees the old or the
+    new content, never half) with mode 0600 from the first byte."""
     tmp = f"{path}.tmp{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.write(fd, key.hex().encode("ascii"))
+        os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -8,7 +8,13 @@ The supervisor decides *when* a rank starts; a launcher decides *how*:
   worker --key-file -'`` per rank (``--hosts a,b``);
 * :class:`SlurmLauncher` — ``srun --nodes=1 --ntasks=1 --nodelist=NODE ...``
   per rank, inside an allocation (``salloc``/``sbatch``); ``--nodes`` and
-  ``--gpus-per-node`` map onto the allocation's nodes.
+  ``--gpus-per-node`` map onto the allocation's nodes;
+* :class:`JoinLauncher` — starts nothing: writes each rank's spec to a 0600
+  file and waits for ``monarch-nb worker --join tcp://HOST:PORT --key-file
+  FILE`` to be run by hand, or by Kubernetes, or anything else. Its local
+  handle is a sentinel process: a rank whose heartbeats stop is declared dead
+  by killing the sentinel, and its respawn rewrites the file (new
+  incarnation) for the next process started with it.
 
 Remote ranks get their environment (rank, world, keys) as one JSON line on the
 stdin of ssh/srun (:func:`rank_spec`), never on a command line; they read it,
@@ -34,6 +40,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import IO, Protocol
 
@@ -175,6 +182,37 @@ class SlurmLauncher(_RemoteLauncher):
                 "--kill-on-bad-exit=1", "--quiet", *self.worker_argv()]
 
 
+@dataclass
+class JoinLauncher:
+    """Ranks started by someone else with ``monarch-nb worker --join``."""
+
+    folder: str
+    per_node: int = 1
+    master: str = "127.0.0.1"
+    name: str = "join"
+    remote: bool = True
+
+    def placement(self, rank: int, world_size: int) -> Placement:
+        return Placement("", rank, 0, 1)  # one rank per joining process / pod
+
+    def master_addr(self, world_size: int) -> str:
+        return self.master
+
+    def spec_path(self, rank: int) -> str:
+        return os.path.join(self.folder, f"rank{rank}.json")
+
+    def start(self, rank: int, env: dict[str, str], log: IO[bytes]) -> subprocess.Popen[bytes]:
+        path = self.spec_path(rank)
+        config.write_secret_file(path, rank_spec(env))
+        sys.stderr.write(f"monarch_nb: rank {rank} (incarnation "
+                         f"{env.get(config.ENV_INCARNATION, '0')}) waits for: monarch-nb worker "
+                         f"--join {env[config.ENV_CONTROLLER]} --key-file {path}\n")
+        # The sentinel: alive while the rank counts as alive; it exits when
+        # its stdin closes (the mesh stops) and is killed when the rank dies.
+        return _popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                      _local_env(env), log, subprocess.PIPE)
+
+
 # -- building one from a MeshConfig -------------------------------------------------------------
 def world_and_per_node(n: int | None, nodes: int, gpus_per_node: int | None) -> tuple[int, int]:
     """(world size, ranks per node) for ``nodes`` nodes."""
@@ -229,6 +267,12 @@ def from_config(cfg: config.MeshConfig, n: int | None) -> tuple[Launcher, int]:
                              "launcher runs on this machine only")
         world = n if n is not None else cfg.gpus_per_node
         return LocalLauncher(), world or 0
+    if cfg.launcher == "join":
+        folder = cfg.join_dir or tempfile.mkdtemp(prefix="monarch-nb-join-")
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        os.chmod(folder, 0o700)
+        world = n if n is not None else (cfg.nodes or 1) * (cfg.gpus_per_node or 1)
+        return JoinLauncher(folder, master=cfg.master_addr or "127.0.0.1"), world
     if cfg.launcher == "ssh":
         hosts = list(cfg.hosts)
         nodes = cfg.nodes or len(hosts)
@@ -266,5 +310,5 @@ def remote_backend(requested: str, launcher: Launcher) -> BackendInfo:
     return BackendInfo(name, "nccl", build["version"], tuple(str(i) for i in range(per_node)))
 
 
-__all__ = ["Launcher", "LocalLauncher", "Placement", "SlurmLauncher", "SshLauncher",
+__all__ = ["JoinLauncher", "Launcher", "LocalLauncher", "Placement", "SlurmLauncher", "SshLauncher",
            "from_config", "rank_spec"]

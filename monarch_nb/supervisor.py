@@ -173,6 +173,8 @@ class Supervisor:
         """SIGTERM-free stop: ranks were asked to STOP over the socket by the
         controller; whoever is still alive after ``grace`` gets SIGKILL —
         including any child processes the user's code started."""
+        for proc in self.history:
+            _close_stdin(proc)  # remote ranks and join sentinels: leave now
         alive = []
         for proc in [p for p in self.history if p.popen.poll() is None]:
             try:
@@ -188,8 +190,6 @@ class Supervisor:
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(still, timeout=5)
-        for proc in self.history:
-            _close_stdin(proc)
         for rank in list(self.procs):
             self.reap(rank)
 
