@@ -286,11 +286,11 @@ def from_config(cfg: config.MeshConfig, n: int | None) -> tuple[Launcher, int]:
     nodes = cfg.nodes or min(env_nodes, len(all_nodes))
     if nodes > len(all_nodes):
         raise UsageError(f"--nodes {nodes} but the allocation has {len(all_nodes)} node(s)")
-    per_node = cfg.gpus_per_node
+    wanted: int | None = cfg.gpus_per_node
     tasks = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-    if per_node is None and n is None and tasks.isdigit():
-        per_node = int(tasks)
-    world, per = world_and_per_node(n, nodes, per_node)
+    if wanted is None and n is None and tasks.isdigit():
+        wanted = int(tasks)
+    world, per = world_and_per_node(n, nodes, wanted)
     master = cfg.master_addr or slurm_node_address(all_nodes[0])
     return SlurmLauncher(all_nodes[:nodes], per, master), world
 

@@ -192,16 +192,16 @@ class Mesh(_RankSet):
             hosts = tuple(h for h in hosts.split(",") if h)
         cfg = MeshConfig(n=n, backend=backend, respawn=respawn, launcher=launcher,  # type: ignore[arg-type]
                          hosts=tuple(hosts), **options)
-        launcher, world = launchers.from_config(cfg, cfg.n)
-        if launcher.remote:  # GPUs are counted on the nodes, not here
-            info = launchers.remote_backend(cfg.backend, launcher)
+        spawner, world = launchers.from_config(cfg, cfg.n)
+        if spawner.remote:  # GPUs are counted on the nodes, not here
+            info = launchers.remote_backend(cfg.backend, spawner)
         else:
             info = backends.resolve(cfg.backend)
         world = world or info.default_ranks()
-        if not launcher.remote and info.devices and world > len(info.devices):
+        if not spawner.remote and info.devices and world > len(info.devices):
             raise UsageError(f"-n {world} asks for more ranks than the {len(info.devices)} visible "
                              f"GPU(s); use -n {len(info.devices)} or --backend cpu")
-        ctl = Controller(cfg, info, world, launcher)
+        ctl = Controller(cfg, info, world, spawner)
         try:
             ctl.start(progress)
         except BaseException:
