@@ -64,6 +64,9 @@ def build_parser(prog: str = "python -m monarch_nb.launch") -> argparse.Argument
     p.add_argument("--bind", default=None,
                    help="controller address (default: loopback for local, this host's "
                         "address for ssh/slurm; non-loopback turns on CurveZMQ)")
+    p.add_argument("--master-addr", default=None,
+                   help="rank 0's host address for torch.distributed (default: 127.0.0.1 "
+                        "locally, the first host / slurm node otherwise)")
     p.add_argument("--insecure-no-encryption", action="store_true",
                    help="DANGEROUS: no CurveZMQ on a non-loopback bind (messages stay signed "
                         "but anyone on the network can read them)")
@@ -110,6 +113,8 @@ def mesh_options(ns: argparse.Namespace) -> dict[str, Any]:
         opts["gpus_per_node"] = ns.gpus_per_node
     if ns.bind is not None:
         opts["bind"] = ns.bind
+    if ns.master_addr is not None:
+        opts["master_addr"] = ns.master_addr
     if ns.insecure_no_encryption:
         opts["insecure_no_encryption"] = True
     return opts
