@@ -83,3 +83,35 @@ def test_slurm_launcher_outside_an_allocation_is_a_usage_error(cluster: Slurm,
                           str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2
     assert "inside a SLURM allocation" in res.stderr
+
+
+KILL_DRIVER = """
+    import os, time
+    import monarch_nb as mnb
+    from monarch_nb import Mesh
+    with Mesh.start(n=2, backend="cpu", launcher="slurm", nodes=2, gpus_per_node=1) as mesh:
+        pids = mesh.run(os.getpid)
+        mesh.kill(1)                        # SIGKILL to rank 1's srun: seen at once
+        print("state", mesh.status()[1]["state"])
+        print("after", mesh.run(lambda: (mnb.rank(), mnb.incarnation()), timeout=90))
+        print("pids", pids[0], pids[1])
+"""
+
+
+def test_mesh_kill_of_a_slurm_rank_respawns_it_and_leaves_nothing(cluster: Slurm,
+                                                                   tmp_path: Path) -> None:
+    import psutil
+
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(KILL_DRIVER))
+    env = dict(cluster.env)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run(["salloc", "-N2", "-n2", sys.executable, str(driver)], env=env,
+                         capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "state respawning" in res.stdout or "state dead" in res.stdout, res.stdout
+    assert "after RankResults({0: (0, 0), 1: (1, 1)})" in res.stdout, res.stdout
+    pids = [int(p) for p in res.stdout.split("pids ")[1].split()]
+    alive = [p for p in pids if psutil.pid_exists(p)
+             and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"ranks outlived their mesh: {alive}"
