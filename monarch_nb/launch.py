@@ -39,6 +39,8 @@ EXIT_INTERRUPTED = 130
 FAIL_GRACE_S = 5.0  # after a final failure, how long the other ranks may finish
 MAX_RERUNS = 20  # per rank: survivors re-run after peer loss (deaths are capped by the policy)
 REFRESH_S = 0.25
+PEER_LOSS_WAIT_S = 3.0  # how long a survivor's peer-loss error waits for the death report
+DEATH_EVENTS = ("died", "replaced", "failed_start")
 _OWN_FRAMES = tuple(f"in {name}" for name in ("run_script", "run_path", "_run_module_code",
                                               "_run_code"))
 
@@ -279,6 +281,8 @@ class ScriptRun:
         self.done: set[int] = set()
         self.failed: dict[int, BaseException] = {}
         self.reruns: dict[int, int] = {}
+        self.deaths_at_submit: dict[int, int] = {}
+        self.undecided: dict[int, float] = {}  # rank -> since when its peer loss waits
         self.first_failure: int | None = None
         self.failed_at: float | None = None
         self.seen_events = len(mesh.events)
@@ -297,6 +301,7 @@ class ScriptRun:
         # the generation the run started in: a rank that joins a later one
         # came in mid-run and takes its elastic state from a peer
         meta = {"generation": self.generation}
+        self.deaths_at_submit[rank] = self._deaths()
         self.futures[rank] = self.mesh._live().submit(Kind.CALL, (rank,), payload, meta,
                                                       self.output)
 
@@ -306,20 +311,27 @@ class ScriptRun:
             self.submit(r)
         ctl = self.mesh._ctl
         while True:
-            pending = [f for r, f in self.futures.items() if r not in self.done
-                       and r not in self.failed]
-            if not pending:
-                break
-            if self.failed_at is not None and time.monotonic() - self.failed_at > FAIL_GRACE_S:
-                break
-            ctl.wait(pending[0], REFRESH_S)  # leads the I/O loop meanwhile
             self._show_events()
             self._collect()
             self.term.update(self.mesh.status(), self.done)
+            open_ranks = [r for r in self.futures if r not in self.done and r not in self.failed]
+            if not open_ranks:
+                break
+            if self.failed_at is not None and time.monotonic() - self.failed_at > FAIL_GRACE_S:
+                break
+            pending = [self.futures[r] for r in open_ranks if not self.futures[r].done()]
+            if pending:
+                ctl.wait(pending[0], REFRESH_S)  # leads the I/O loop meanwhile
+            else:
+                ctl.pump(REFRESH_S)  # only peer losses waiting for their death report
         self._show_events()
         return self._summary()
 
+    def _deaths(self) -> int:
+        return sum(1 for ev in self.mesh.events if ev["kind"] in DEATH_EVENTS)
+
     def _collect(self) -> None:
+        now = time.monotonic()
         for rank, fut in list(self.futures.items()):
             if rank in self.done or rank in self.failed or not fut.done():
                 continue
@@ -329,9 +341,19 @@ class ScriptRun:
                 continue
             err = getattr(exc, "errors", {}).get(rank, exc)
             state = self.mesh.status()[rank]["state"]
-            if (retryable(err, self.mesh.config.respawn) and state != "failed"
-                    and self.failed_at is None
-                    and self.reruns.get(rank, 0) < MAX_RERUNS):
+            again = (retryable(err, self.mesh.config.respawn) and state != "failed"
+                     and self.failed_at is None and self.reruns.get(rank, 0) < MAX_RERUNS)
+            if again and isinstance(err, RemoteError):
+                # A survivor's collective failed: a re-run only makes sense
+                # after a death since this run started (its report may trail
+                # the survivor's error by a moment: wait for it, briefly).
+                if self._deaths() <= self.deaths_at_submit.get(rank, 0):
+                    since = self.undecided.setdefault(rank, now)
+                    if now - since < PEER_LOSS_WAIT_S:
+                        continue
+                    again = False
+            self.undecided.pop(rank, None)
+            if again:
                 self.reruns[rank] = self.reruns.get(rank, 0) + 1
                 self.term.line(f"monarch_nb: rank {rank} runs the script again "
                                f"({describe_failure(err)})")

@@ -49,13 +49,21 @@ def _torchrun_compat() -> Iterator[None]:
         return
     real_init, real_destroy = dist.init_process_group, dist.destroy_process_group
 
+    # Only the script's calls are changed: monarch_nb's own (the worker
+    # re-forming the group after a death, inside mnb.elastic) must reach torch.
+    # (by file: the worker runs as __main__, so its module name says nothing)
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+    def ours() -> bool:
+        return os.path.abspath(sys._getframe(2).f_code.co_filename).startswith(package)
+
     def init_process_group(*args: Any, **kwargs: Any) -> None:
-        if dist.is_initialized():
+        if dist.is_initialized() and not ours():
             return None
         return real_init(*args, **kwargs)
 
     def destroy_process_group(group: Any = None) -> None:
-        if group is None or group is dist.group.WORLD:
+        if (group is None or group is dist.group.WORLD) and not ours():
             return None  # the mesh's group: it outlives the script
         return real_destroy(group)
 

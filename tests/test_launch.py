@@ -198,3 +198,49 @@ def test_cli_help_and_unknown_command() -> None:
     res = subprocess.run([sys.executable, "-m", "monarch_nb.cli", "frobnicate"],
                          capture_output=True, text=True, env=_env())
     assert res.returncode == 2 and "unknown command 'frobnicate'" in res.stderr
+
+
+ELASTIC = """
+    import sys, torch, torch.distributed as dist
+    import monarch_nb as mnb
+    from monarch_nb import chaos
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = mnb.elastic.State(model=model, optimizer=opt, step=0)
+
+    @mnb.elastic.run(state)
+    def train(state):
+        while state.step < 30:
+            x = torch.ones(8, 4) * (state.step % 5 + mnb.rank())
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+            opt.step()
+            state.step += 1
+            state.commit()
+            if sys.argv[1:] == ["kill"]:
+                chaos.die_at(state.step, 10, rank=1)
+
+    train()
+    w = [round(v, 6) for v in model.weight.detach().flatten().tolist()]
+    print("final", state.step, "incarnation", mnb.incarnation(), "w", w)
+"""
+
+
+def test_elastic_script_survives_a_death_in_place(tmp_path: Path) -> None:
+    clean = launch(tmp_path, ELASTIC, script_args=("clean",))
+    faulted = launch(tmp_path, ELASTIC, script_args=("kill",))
+    assert clean.returncode == 0 and faulted.returncode == 0, faulted.stderr
+
+    def finals(res: subprocess.CompletedProcess[str]) -> dict[str, str]:
+        return {line[:3]: line.split(" w ")[1] for line in res.stdout.splitlines()
+                if "] final 30" in line}
+
+    assert "rank 1 died: killed by SIGKILL" in faulted.stderr
+    assert "[0] final 30 incarnation 0" in faulted.stdout  # the survivor was not re-run
+    assert "[1] final 30 incarnation 1" in faulted.stdout
+    assert "rank 0 runs the script again" not in faulted.stderr
+    assert finals(faulted) == finals(clean) and len(finals(clean)) == 2
