@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -255,3 +256,72 @@ def _alive(pid_file: str) -> bool:
         return True
     except (OSError, ValueError):
         return False
+
+
+# -- sshd ----------------------------------------------------------------------------------------
+@dataclass
+class Sshd:
+    """An sshd per namespace of ``hosts``; ``template`` is the ssh command
+    (for MONARCH_NB_SSH) that logs in to them as root with a fresh key."""
+
+    hosts: Hosts
+    template: str
+
+
+@contextlib.contextmanager
+def sshd_in(hosts: Hosts, folder: str) -> Iterator[Sshd]:
+    for tool in ("/usr/sbin/sshd", "ssh", "ssh-keygen"):
+        if shutil.which(tool) is None:
+            unavailable(f"{tool} is missing (apt-get install openssh-server openssh-client)")
+    os.chmod(folder, 0o700)
+    key = os.path.join(folder, "id")
+    host_key = os.path.join(folder, "host_key")
+    for path in (key, host_key):
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", path)
+    Path(folder, "authorized_keys").write_text(Path(key + ".pub").read_text())
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # privilege separation directory
+    procs = []
+    try:
+        for ns, addr in zip(hosts.names, hosts.addrs, strict=True):
+            conf = Path(folder, f"sshd_{ns}.conf")
+            conf.write_text(textwrap.dedent(f"""\
+                ListenAddress {addr}
+                Port 22
+                HostKey {host_key}
+                PermitRootLogin prohibit-password
+                AuthorizedKeysFile {folder}/authorized_keys
+                PasswordAuthentication no
+                KbdInteractiveAuthentication no
+                UsePAM no
+                StrictModes no
+                PidFile {folder}/sshd_{ns}.pid
+                """))
+            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, "/usr/sbin/sshd", "-D", "-e",
+                                           "-f", str(conf)], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE))
+        template = (f"ssh -T -i {key} -o BatchMode=yes -o StrictHostKeyChecking=no "
+                    f"-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR root@{{host}}")
+        deadline = time.monotonic() + 15
+        for addr, proc in zip(hosts.addrs, procs, strict=True):
+            while True:
+                probe = subprocess.run([*template.replace("{host}", addr).split(), "true"],
+                                       capture_output=True, text=True, timeout=30)
+                if probe.returncode == 0:
+                    break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    err = proc.stderr.read().decode() if proc.poll() is not None and proc.stderr \
+                        else probe.stderr
+                    unavailable(f"sshd in a namespace is not reachable: {err.strip()}")
+                time.sleep(0.2)
+        yield Sshd(hosts, template)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            if proc.stderr:
+                proc.stderr.close()
