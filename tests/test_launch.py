@@ -244,3 +244,33 @@ def test_elastic_script_survives_a_death_in_place(tmp_path: Path) -> None:
     assert "[1] final 30 incarnation 1" in faulted.stdout
     assert "rank 0 runs the script again" not in faulted.stderr
     assert finals(faulted) == finals(clean) and len(finals(clean)) == 2
+
+
+def test_live_status_on_a_terminal(tmp_path: Path) -> None:
+    import pty
+
+    script = tmp_path / "slow.py"
+    script.write_text("import time\nfor i in range(4):\n    print('tick', i)\n    time.sleep(0.4)\n")
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "monarch_nb.launch", "--backend", "cpu",
+                             "-n", "2", str(script)], stdin=subprocess.DEVNULL, stdout=slave,
+                            stderr=slave, env=_env(), cwd=tmp_path)
+    os.close(slave)
+    chunks = []
+    try:
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child side closed
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+        proc.wait(timeout=60)
+    text = b"".join(chunks).decode("utf-8", "replace")
+    assert proc.returncode == 0, text
+    # rich drew the per-rank table (its header) and the rank output still came through
+    assert "heartbeat" in text and "loss" in text
+    assert "tick 3" in text and "all 2 rank(s) finished" in text
