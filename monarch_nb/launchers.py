@@ -279,7 +279,7 @@ def from_config(cfg: config.MeshConfig, n: int | None) -> tuple[Launcher, int]:
         if nodes > len(hosts):
             raise UsageError(f"--nodes {nodes} but only {len(hosts)} host(s) in --hosts")
         world, per_node = world_and_per_node(n, nodes, cfg.gpus_per_node)
-        master = cfg.master_addr or resolve_address(hosts[0])
+        master = cfg.master_addr or resolve_address(hosts[0].rsplit("@", 1)[-1])  # user@host
         return SshLauncher(hosts[:nodes], per_node, master), world
     all_nodes = slurm_nodes()
     env_nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", len(all_nodes)))

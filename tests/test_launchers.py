@@ -64,6 +64,9 @@ def test_ssh_needs_hosts_and_local_has_one_node() -> None:
         config.MeshConfig(launcher="ssh")
     with pytest.raises(UsageError, match="--nodes 2"):
         from_config(config.MeshConfig(nodes=2), None)
+    ssh, world = from_config(config.MeshConfig(launcher="ssh", hosts=("me@127.0.0.1", "b"),
+                                               gpus_per_node=2), None)
+    assert world == 4 and ssh.master_addr(world) == "127.0.0.1"
     with pytest.raises(UsageError, match="only 1 host"):
         from_config(config.MeshConfig(launcher="ssh", hosts=("a",), nodes=2), None)
 
