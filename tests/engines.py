@@ -10,6 +10,7 @@ the test fails instead.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -47,14 +48,18 @@ class Hosts:
     bridge_addr: str
 
 
+_netns_count = itertools.count()
+
+
 @contextlib.contextmanager
 def netns_hosts(count: int = 2) -> Iterator[Hosts]:
     if os.geteuid() != 0:
         unavailable("network namespaces need root")
     if shutil.which("ip") is None:
         unavailable("the ip command (iproute2) is missing")
-    tag = f"m{os.getpid() % 100000}"
-    subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+    n = next(_netns_count)  # several sets in one process never collide
+    tag = f"m{os.getpid() % 100000}{n}"
+    subnet = f"10.{200 + (os.getpid() + n) % 50}.{os.getpid() % 250}"
     bridge = f"{tag}br"
     names = [f"{tag}ns{i}" for i in range(count)]
     hosts = Hosts(names, [f"{subnet}.{11 + i}" for i in range(count)], bridge, f"{subnet}.1")
