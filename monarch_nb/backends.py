@@ -161,5 +161,30 @@ def init_group(backend: str, rank: int, world_size: int, addr: str = "127.0.0.1"
         dev = torch.device("cuda", 0)
         dist.init_process_group("nccl", device_id=dev, **kwargs)
         return f"cuda:0 ({torch.cuda.get_device_name(0)})"
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        iface = interface_towards(addr)
+        if iface:  # several hosts: the interface that reaches rank 0's host
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
     dist.init_process_group("gloo", **kwargs)
     return "cpu"
+
+
+def interface_towards(addr: str) -> str | None:
+    """The name of the network interface this host uses to reach ``addr``
+    (gloo otherwise picks the one its host name resolves to, often
+    loopback). No packet is sent: a UDP connect only asks the routing table."""
+    import socket
+
+    import psutil
+
+    try:
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((addr, 9))
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == local for a in addrs):
+            return name
+    return None

@@ -22,11 +22,11 @@ from .errors import UsageError
 
 Backend = Literal["auto", "cuda", "rocm", "cpu"]
 Respawn = Literal["rank", "all", "off"]
-Launcher = Literal["local", "ssh", "slurm"]
+Launcher = Literal["local", "ssh", "slurm", "join"]
 
 BACKENDS: tuple[str, ...] = ("auto", "cuda", "rocm", "cpu")
 RESPAWN_MODES: tuple[str, ...] = ("rank", "all", "off")
-LAUNCHERS: tuple[str, ...] = ("local", "ssh", "slurm")
+LAUNCHERS: tuple[str, ...] = ("local", "ssh", "slurm", "join")
 
 # Environment variables written by the controller for each rank.
 ENV_CONTROLLER = "MONARCH_NB_CONTROLLER"  # tcp://host:port of the controller ROUTER
@@ -40,6 +40,19 @@ ENV_CONTROLLER_TIMEOUT = "MONARCH_NB_CONTROLLER_TIMEOUT"  # s without a ping -> 
 ENV_GENERATION = "MONARCH_NB_GENERATION"
 ENV_IDENTITY = "MONARCH_NB_IDENTITY"  # socket identity prefix, with a random token
 ENV_MAX_MESSAGE = "MONARCH_NB_MAX_MESSAGE"  # results larger than this are refused
+# CurveZMQ (non-loopback meshes): the controller's public key and this rank's
+# client key pair, Z85 text. The secret travels like the HMAC key: environment
+# or 0600 file, never argv.
+ENV_CURVE_SERVER = "MONARCH_NB_CURVE_SERVER"
+ENV_CURVE_PUBLIC = "MONARCH_NB_CURVE_PUBLIC"
+ENV_CURVE_SECRET = "MONARCH_NB_CURVE_SECRET"
+SECRET_ENV = (ENV_KEY, ENV_CURVE_SECRET)
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# ssh launcher: the remote shell command, {host} replaced; the worker command
+# is appended as one argument (e.g. "ip netns exec {host} sh -c").
+ENV_SSH = "MONARCH_NB_SSH"
+DEFAULT_SSH = "ssh -T -o BatchMode=yes {host}"
 
 
 @dataclass(frozen=True)
@@ -51,8 +64,19 @@ class MeshConfig:
         else cpu (gloo).
     respawn: ``rank`` replaces only a dead rank, ``all`` every rank, ``off``
         reports deaths and keeps the survivors.
-    bind: controller address; loopback by default. Anything else would need
-        CurveZMQ, which the local launcher does not offer yet.
+    bind: controller address; loopback by default. Any other address (an IP
+        of this host, a host name, or ``0.0.0.0``) turns on CurveZMQ
+        encryption with client allow-listing, on top of the HMAC signatures.
+    nodes, gpus_per_node: placement for the ssh / slurm launchers (ranks
+        ``node * gpus_per_node + local_rank``).
+    master_addr: address of rank 0's host for torch.distributed; default
+        127.0.0.1 (local) or rank 0's host (ssh, slurm).
+    insecure_no_encryption: turn CurveZMQ *off* on a non-loopback bind.
+        Messages stay signed (no forgery), but anyone on the path reads
+        every value, argument and result in clear text. For benchmarks and
+        trusted, isolated networks only; a warning is printed.
+    join_dir: ``launcher="join"``: where the 0600 rank spec files for
+        ``monarch-nb worker --join ... --key-file FILE`` are written.
     heartbeat_interval: seconds between controller pings and rank heartbeats.
     heartbeat_timeout: a rank whose control thread stays silent this long is
         frozen (SIGSTOP, hung host): it is killed and reported dead. The control
@@ -76,7 +100,7 @@ class MeshConfig:
     respawn: Respawn = "rank"
     launcher: Launcher = "local"
     hosts: tuple[str, ...] = ()
-    bind: str = "127.0.0.1"
+    bind: str = None  # type: ignore[assignment]  # None: loopback (local), "*" (ssh, slurm)
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 3.0
     controller_timeout: float = 10.0
@@ -85,6 +109,11 @@ class MeshConfig:
     hang_timeout: float | None = 60.0
     spare: bool = True
     extra_env: tuple[tuple[str, str], ...] = field(default=())
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    master_addr: str | None = None
+    insecure_no_encryption: bool = False
+    join_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1):
@@ -96,16 +125,37 @@ class MeshConfig:
         if self.launcher not in LAUNCHERS:
             raise UsageError(f"launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
         check_hang_timeout(self.hang_timeout)
-        if self.launcher != "local":
-            raise UsageError(
-                f"--launcher {self.launcher} is not available in this version; "
-                "use --launcher local (the default)"
-            )
-        if self.bind not in ("127.0.0.1", "localhost", "::1"):
-            raise UsageError(
-                f"bind address {self.bind!r} is not loopback; non-loopback meshes need "
-                "CurveZMQ encryption, which this version does not provide yet"
-            )
+        if self.bind is None:
+            object.__setattr__(self, "bind", "127.0.0.1" if self.launcher == "local" else "*")
+        if self.launcher == "ssh" and not self.hosts:
+            raise UsageError("--launcher ssh needs --hosts H1,H2 (one or more hosts)")
+        for name in ("nodes", "gpus_per_node"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise UsageError(f"{name} must be a positive number, not {value!r}")
+        if not _valid_bind(self.bind):
+            raise UsageError(f"bind address {self.bind!r} is not a host name, an IP address "
+                             "or * (every interface)")
+
+    @property
+    def encrypted(self) -> bool:
+        """CurveZMQ on: any non-loopback bind, unless explicitly turned off."""
+        return self.bind not in LOOPBACK and not self.insecure_no_encryption
+
+
+def _valid_bind(bind: object) -> bool:
+    import ipaddress
+    import re
+
+    if not isinstance(bind, str) or not bind:
+        return False
+    if bind == "*":
+        return True
+    try:
+        ipaddress.ip_address(bind)
+        return True
+    except ValueError:
+        return re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", bind) is not None
 
 
 def check_hang_timeout(value: float | None) -> None:
@@ -136,6 +186,7 @@ class RankEnv:
     generation: int
     identity: str
     max_message_bytes: int
+    curve: tuple[bytes, bytes, bytes] | None = None  # server public, own public, own secret
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> RankEnv:
@@ -164,7 +215,18 @@ class RankEnv:
             generation=int(env.get(ENV_GENERATION, "0")),
             identity=env.get(ENV_IDENTITY) or f"r{env['RANK']}.{env.get(ENV_INCARNATION, '0')}",
             max_message_bytes=int(env.get(ENV_MAX_MESSAGE, str(4 << 30))),
+            curve=_curve_keys(env),
         )
+
+
+def _curve_keys(env: dict[str, str] | os._Environ[str]) -> tuple[bytes, bytes, bytes] | None:
+    names = (ENV_CURVE_SERVER, ENV_CURVE_PUBLIC, ENV_CURVE_SECRET)
+    values = [env.get(n, "") for n in names]
+    if not any(values):
+        return None
+    if not all(values):
+        raise UsageError(f"incomplete CurveZMQ keys: set all of {', '.join(names)}")
+    return (values[0].encode("ascii"), values[1].encode("ascii"), values[2].encode("ascii"))
 
 
 def read_key(env: dict[str, str] | os._Environ[str]) -> bytes:
@@ -185,14 +247,26 @@ def read_key(env: dict[str, str] | os._Environ[str]) -> bytes:
 def write_key_file(path: str, key: bytes) -> None:
     """Write ``key`` as hex to ``path`` atomically with mode 0600 from the
     first byte (never world-readable, not even briefly)."""
+    write_secret_file(path, key.hex().encode("ascii"))
+
+
+def write_secret_file(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (a reader sees the old or the
+    new content, never half) with mode 0600 from the first byte."""
     tmp = f"{path}.tmp{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.write(fd, key.hex().encode("ascii"))
+        os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
+
+
+def ssh_template() -> list[str]:
+    import shlex
+
+    return shlex.split(os.environ.get(ENV_SSH) or DEFAULT_SSH)
 
 
 def default_cpu_ranks() -> int:

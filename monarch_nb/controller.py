@@ -40,10 +40,11 @@ from typing import Any
 
 from . import serialize
 from .backends import BackendInfo
-from .config import MeshConfig
+from .config import LOOPBACK, MeshConfig
 from .errors import MonarchError, RankDied, RankErrors, RemoteError
 from .futures import MeshFuture
 from .inspector import Inspector
+from .launchers import Launcher, LocalLauncher
 from .metrics import decode as decode_metrics
 from .metricstore import MetricsStore
 from .output import CallOutput
@@ -66,7 +67,7 @@ from .rankstate import (
 from .recovery import Recovery
 from .stacks import RankStacks
 from .supervisor import Supervisor
-from .transport import IOLoop
+from .transport import CurveKeys, IOLoop
 
 log = logging.getLogger(__name__)
 
@@ -75,20 +76,27 @@ log = logging.getLogger(__name__)
 class Controller(Inspector, Recovery):
     """Runs the I/O thread, the supervisor and the bookkeeping of one mesh."""
 
-    def __init__(self, cfg: MeshConfig, backend: BackendInfo, world_size: int) -> None:
+    def __init__(self, cfg: MeshConfig, backend: BackendInfo, world_size: int,
+                 launcher: Launcher | None = None) -> None:
         self.cfg = cfg
         self.backend = backend
         self.world_size = world_size
         self.key = new_key()
         self.mesh_id = secrets.token_hex(4)
         self.codec = Codec(self.key, "controller", max_bytes=cfg.max_message_bytes)
+        # Non-loopback: CurveZMQ with this mesh's keys (transport.CurveKeys).
+        self.curve = CurveKeys.generate() if cfg.encrypted else None
+        if cfg.bind not in LOOPBACK and not cfg.encrypted:
+            log.warning("monarch_nb: INSECURE: encryption is off on non-loopback bind %r; "
+                        "anyone on the network can read every message", cfg.bind)
         self.io = IOLoop(self.codec, self._on_message, bind=cfg.bind, on_tick=self._on_tick,
-                         max_message_bytes=cfg.max_message_bytes)
+                         max_message_bytes=cfg.max_message_bytes, curve=self.curve)
         self.supervisor = Supervisor(
             world_size=world_size, backend=backend, controller_endpoint=self.io.endpoint,
             key=self.key, mesh_id=self.mesh_id, master_port=_free_port(),
-            controller_timeout=cfg.controller_timeout, extra_env=dict(cfg.extra_env),
-            max_message_bytes=cfg.max_message_bytes,
+            controller_timeout=cfg.controller_timeout,
+            extra_env={**dict(cfg.extra_env), **(self.curve.rank_env() if self.curve else {})},
+            max_message_bytes=cfg.max_message_bytes, launcher=launcher or LocalLauncher(),
         )
         self.ranks = [RankInfo(r) for r in range(world_size)]
         self.events: list[Event] = []

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from typing import Any
 
-from . import backends, serialize
+from . import backends, launchers, serialize
 from .config import MeshConfig, check_hang_timeout
 from .controller import Controller, Event, RankInfo, RankState
 from .debug import post_mortem as _post_mortem
@@ -213,12 +213,16 @@ class Mesh(_RankSet):
             hosts = tuple(h for h in hosts.split(",") if h)
         cfg = MeshConfig(n=n, backend=backend, respawn=respawn, launcher=launcher,  # type: ignore[arg-type]
                          hosts=tuple(hosts), **options)
-        info = backends.resolve(cfg.backend)
-        world = cfg.n or info.default_ranks()
-        if info.devices and world > len(info.devices):
+        spawner, world = launchers.from_config(cfg, cfg.n)
+        if spawner.remote:  # GPUs are counted on the nodes, not here
+            info = launchers.remote_backend(cfg.backend, spawner)
+        else:
+            info = backends.resolve(cfg.backend)
+        world = world or info.default_ranks()
+        if not spawner.remote and info.devices and world > len(info.devices):
             raise UsageError(f"-n {world} asks for more ranks than the {len(info.devices)} visible "
                              f"GPU(s); use -n {len(info.devices)} or --backend cpu")
-        ctl = Controller(cfg, info, world)
+        ctl = Controller(cfg, info, world, spawner)
         try:
             ctl.start(progress)
         except BaseException:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 
@@ -30,6 +29,7 @@ import psutil
 
 from . import config, spare
 from .backends import BackendInfo, pin_env
+from .launchers import Launcher, LocalLauncher
 
 
 @dataclass
@@ -60,6 +60,7 @@ class Supervisor:
     controller_timeout: float = 10.0
     max_message_bytes: int = 4 << 30
     extra_env: dict[str, str] = field(default_factory=dict)
+    launcher: Launcher = field(default_factory=LocalLauncher)
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="monarch-nb-"))
     procs: dict[int, RankProcess] = field(default_factory=dict)
     history: list[RankProcess] = field(default_factory=list)
@@ -75,13 +76,14 @@ class Supervisor:
         for var in (config.ENV_KEY_FILE,):
             env.pop(var, None)
         env.update(self.extra_env)
+        place = self.launcher.placement(rank, self.world_size)
         env.update({
             "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
+            "LOCAL_RANK": str(place.local_rank),
             "WORLD_SIZE": str(self.world_size),
-            "LOCAL_WORLD_SIZE": str(self.world_size),
-            "GROUP_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
+            "LOCAL_WORLD_SIZE": str(place.local_world_size),
+            "GROUP_RANK": str(place.node),
+            "MASTER_ADDR": self.launcher.master_addr(self.world_size),
             "MASTER_PORT": str(self.master_port),
             config.ENV_CONTROLLER: self.controller_endpoint,
             config.ENV_KEY: self.key.hex(),
@@ -95,15 +97,19 @@ class Supervisor:
             config.ENV_MAX_MESSAGE: str(self.max_message_bytes),
             "PYTHONUNBUFFERED": "1",
         })
-        # Local ranks talk over loopback only (gloo would otherwise pick the
-        # interface the host name resolves to).
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        pin_env(self.backend, rank, env)
+        if self.launcher.remote:
+            env.pop(config.ENV_PARENT_PID, None)  # its parent is ssh/srun's, not us
+        else:
+            # Local ranks talk over loopback only (gloo would otherwise pick the
+            # interface the host name resolves to).
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        pin_env(self.backend, place.local_rank, env)
         return env
 
     def start_spare(self) -> None:
-        """Start a spare process for the next respawn (see spare.py)."""
-        if self.spare is not None and self.spare.poll() is None:
+        """Start a spare process for the next respawn (see spare.py). Local
+        ranks only: a remote rank's interpreter starts on its node."""
+        if self.launcher.remote or (self.spare is not None and self.spare.poll() is None):
             return
         env = dict(os.environ)
         env.pop(config.ENV_KEY_FILE, None)
@@ -131,18 +137,7 @@ class Supervisor:
         if popen is None:
             log = open(log_path, "ab", buffering=0)
             try:
-                popen = subprocess.Popen(
-                    [sys.executable, "-m", "monarch_nb.worker"],
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    # Own session: the terminal's / Jupyter's SIGINT to the kernel's
-                    # process group must not hit ranks directly; interrupts go
-                    # through the controller, to the call they are meant for.
-                    start_new_session=True,
-                    close_fds=True,
-                )
+                popen = self.launcher.start(rank, env, log)
             finally:
                 log.close()
         proc = RankProcess(rank, incarnation, popen, log_path)
@@ -222,6 +217,7 @@ class Supervisor:
         return [line for chunk in reversed(chunks) for line in chunk]
 
     def kill_proc(self, proc: RankProcess) -> None:
+        _close_stdin(proc)  # a remote rank's cue that its handle is gone
         if proc.popen.poll() is None:
             try:
                 os.kill(proc.pid, signal.SIGKILL)
@@ -232,6 +228,8 @@ class Supervisor:
         """SIGTERM-free stop: ranks were asked to STOP over the socket by the
         controller; whoever is still alive after ``grace`` gets SIGKILL —
         including any child processes the user's code started."""
+        for proc in self.history:
+            _close_stdin(proc)  # remote ranks and join sentinels: leave now
         alive = []
         if self.spare is not None:
             spare.discard(self.spare)
@@ -257,3 +255,11 @@ class Supervisor:
         import shutil
 
         shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+def _close_stdin(proc: RankProcess) -> None:
+    if proc.popen.stdin is not None and not proc.popen.stdin.closed:
+        try:
+            proc.popen.stdin.close()
+        except OSError:
+            pass

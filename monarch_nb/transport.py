@@ -18,6 +18,13 @@ calls and results, used only by the main thread, and ``ctl`` for heartbeats,
 interrupts and output, used only by the control thread. Keeping them apart
 means a rank stuck in a collective still answers on ``ctl``.
 
+Encryption: a non-loopback mesh uses CurveZMQ (:class:`CurveKeys`): the
+ROUTER is a Curve server with a key pair made for this mesh, and a ZAP handler
+on the same I/O thread (an inproc REP socket in the poll, so no extra thread)
+admits only clients whose public key is on the allow-list. A peer without the
+keys cannot complete the handshake: it never gets a message to the signature
+check, let alone to a rank. Refusals are counted in ``dropped["curve-refused"]``.
+
 Non-goals: decisions (controller), payload encoding (serialize).
 """
 
@@ -28,14 +35,18 @@ import contextlib
 import logging
 import math
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from zmq.utils import z85
 
-from .errors import ProtocolError
+from . import config
+from .errors import ProtocolError, UsageError
 from .protocol import Codec, Message
 
 log = logging.getLogger(__name__)
@@ -49,6 +60,71 @@ LINGER_S = 0.005
 BUSY_RETRY_S = 0.02
 
 
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks who may connect
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """One mesh's CurveZMQ keys (Z85 text): the controller's server pair and
+    the client pair its ranks use. The client public key is what the ZAP
+    handler allows; the secrets never leave the controller except in a rank's
+    environment or 0600 key file."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    @classmethod
+    def generate(cls) -> CurveKeys:
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        return cls(server_public, server_secret, client_public, client_secret)
+
+    def rank_env(self) -> dict[str, str]:
+        """What a rank needs to connect (the server secret is not in it)."""
+        return {config.ENV_CURVE_SERVER: self.server_public.decode(),
+                config.ENV_CURVE_PUBLIC: self.client_public.decode(),
+                config.ENV_CURVE_SECRET: self.client_secret.decode()}
+
+
+def _bind_host(bind: str) -> tuple[str, str]:
+    """(address to bind, address ranks connect to) for a ``bind`` option."""
+    if bind == "localhost":
+        return "127.0.0.1", "127.0.0.1"
+    if bind == "::1":
+        return "[::1]", "[::1]"
+    if bind in ("*", "0.0.0.0", "::"):
+        # every interface; ranks connect to the address this host's name has
+        return "*", _host_address()
+    try:
+        infos = socket.getaddrinfo(bind, None, socket.AF_UNSPEC, socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise UsageError(f"bind address {bind!r} does not resolve: {exc}") from None
+    addr = str(infos[0][4][0])
+    host = f"[{addr}]" if ":" in addr else addr
+    return host, host
+
+
+def _host_address() -> str:
+    """This host's address for other hosts: its name's address, unless that
+    is loopback (Debian maps the name to 127.0.1.1), then the address of the
+    interface of the default route (a UDP connect sends nothing)."""
+    name = socket.gethostname()
+    try:
+        addr = socket.gethostbyname(name)
+    except OSError:
+        addr = "127.0.0.1"
+    if not addr.startswith("127."):
+        return addr
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.255", 9))  # TEST-NET: only the routing table is asked
+            return str(s.getsockname()[0])
+    except OSError:
+        return addr
+
+
 class IOLoop:
     """The controller's I/O thread and ROUTER socket."""
 
@@ -60,6 +136,7 @@ class IOLoop:
         bind: str = "127.0.0.1",
         on_tick: Callable[[float], float | None] | None = None,
         max_message_bytes: int = 4 << 30,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.codec = codec
         self._on_message = on_message
@@ -71,17 +148,41 @@ class IOLoop:
         self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.router.setsockopt(zmq.RCVHWM, 0)
         self.router.setsockopt(zmq.SNDHWM, 0)
-        host = "[::1]" if bind == "::1" else ("127.0.0.1" if bind == "localhost" else bind)
-        if bind == "::1":
+        self.curve = curve
+        self.zap: zmq.Socket | None = None
+        self.allowed_clients: set[bytes] = set()
+        if curve is not None:
+            # The ZAP handler must exist before the first handshake: with no
+            # handler libzmq would admit every Curve client.
+            self.zap = self.ctx.socket(zmq.REP)
+            self.zap.setsockopt(zmq.LINGER, 0)
+            self.zap.bind(ZAP_ENDPOINT)
+            self.allowed_clients.add(z85.decode(curve.client_public))
+            self.router.curve_server = True
+            self.router.curve_secretkey = curve.server_secret
+            self.router.curve_publickey = curve.server_public
+            self.router.setsockopt(zmq.ZAP_DOMAIN, b"monarch-nb")
+        host, advertised = _bind_host(bind)
+        if ":" in host:
             self.router.setsockopt(zmq.IPV6, 1)
-        port = self.router.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
+        try:
+            port = self.router.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            for sock in (self.router, self.zap):
+                if sock is not None:
+                    sock.close(linger=0)
+            self.ctx.term()
+            raise UsageError(f"cannot bind the controller to {bind!r}: {exc}; use an address "
+                             "of this host, or 127.0.0.1") from None
+        self.endpoint = f"tcp://{advertised}:{port}"
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._fds: dict[int, Callable[[], None]] = {}
         self._poller = zmq.Poller()
         self._poller.register(self.router, zmq.POLLIN)
         self._poller.register(self._wake_fd, zmq.POLLIN)
+        if self.zap is not None:
+            self._poller.register(self.zap, zmq.POLLIN)
         self._stopping = False
         self._lead = threading.RLock()
         self._want = 0
@@ -189,6 +290,8 @@ class IOLoop:
             except BlockingIOError:
                 pass
         self._run_commands()
+        if self.zap is not None and self.zap in events:
+            self._answer_zap()
         if self.router in events:
             self._drain_router()
         for fd in list(self._fds):
@@ -264,6 +367,29 @@ class IOLoop:
                 continue
             self._guard(lambda: self._on_message(ident, msg))
 
+    def _answer_zap(self) -> None:
+        """ZAP (RFC 27): admit Curve clients whose public key is allowed."""
+        zap = self.zap
+        assert zap is not None
+        for _ in range(100):
+            try:
+                frames = zap.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            # version, request id, domain, address, identity, mechanism, credentials...
+            ok = (len(frames) >= 7 and frames[0] == b"1.0" and frames[5] == b"CURVE"
+                  and frames[6] in self.allowed_clients)
+            if not ok:
+                self.dropped["curve-refused"] += 1
+                n = self.dropped["curve-refused"]
+                if n == 1 or n % 1000 == 0:
+                    peer = frames[3].decode("ascii", "replace") if len(frames) > 3 else "?"
+                    log.warning("refused %d connection(s) without the mesh's Curve keys, "
+                                "latest from %s", n, peer)
+            request_id = frames[1] if len(frames) > 1 else b""
+            zap.send_multipart([b"1.0", request_id, b"200" if ok else b"400",
+                                b"OK" if ok else b"unknown client key", b"", b""])
+
     def _guard(self, fn: Callable[[], Any]) -> Any:
         # The I/O thread must survive any bug in a handler: a dead I/O thread
         # is a hung notebook.
@@ -277,6 +403,8 @@ class IOLoop:
         if self.router.closed:
             return
         self.router.close(linger=0)
+        if self.zap is not None:
+            self.zap.close(linger=0)
         try:
             os.close(self._wake_fd)
         except OSError:
@@ -310,9 +438,13 @@ def pidfd_open(pid: int) -> int | None:
         return None
 
 
-def dealer(ctx: zmq.Context, identity: str, endpoint: str) -> zmq.Socket:
-    """A rank-side DEALER connected to the controller."""
+def dealer(ctx: zmq.Context, identity: str, endpoint: str,
+           curve: tuple[bytes, bytes, bytes] | None = None) -> zmq.Socket:
+    """A rank-side DEALER connected to the controller; ``curve`` = (server
+    public, own public, own secret) keys for an encrypted mesh."""
     sock = ctx.socket(zmq.DEALER)
+    if curve is not None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve
     sock.setsockopt(zmq.IDENTITY, identity.encode())
     sock.setsockopt(zmq.LINGER, 2000)  # let the last result leave on exit
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -332,4 +464,4 @@ def recv_verified(sock: zmq.Socket, codec: Codec, dropped: collections.Counter[s
         return None
 
 
-__all__ = ["IOLoop", "dealer", "pidfd_open", "recv_verified", "send_frames"]
+__all__ = ["CurveKeys", "IOLoop", "dealer", "pidfd_open", "recv_verified", "send_frames"]

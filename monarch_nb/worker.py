@@ -71,8 +71,8 @@ class Worker:
         self.ctl_id = f"{ident}.ctl"
         self.main_codec = Codec(env.key, self.main_id)
         self.ctl_codec = Codec(env.key, self.ctl_id)
-        self.main_sock = dealer(self.ctx, self.main_id, env.controller)
-        self.ctl_sock = dealer(self.ctx, self.ctl_id, env.controller)
+        self.main_sock = dealer(self.ctx, self.main_id, env.controller, env.curve)
+        self.ctl_sock = dealer(self.ctx, self.ctl_id, env.controller, env.curve)
         self.dropped: collections.Counter[str] = collections.Counter()
         self.output = OutputBuffer()
         self.metrics = metrics.buffer()

@@ -29,7 +29,8 @@ def worker_pids() -> set[int]:
     for p in psutil.process_iter(["cmdline"]):
         try:
             cmd = p.info["cmdline"] or []
-            if "monarch_nb.worker" in cmd and p.environ().get("MONARCH_NB_TEST_SESSION") == SESSION_TAG:
+            rank = "monarch_nb.worker" in cmd or ("monarch_nb.cli" in cmd and "worker" in cmd)
+            if rank and p.environ().get("MONARCH_NB_TEST_SESSION") == SESSION_TAG:
                 if p.status() != psutil.STATUS_ZOMBIE:
                     out.add(p.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied):

@@ -453,10 +453,12 @@ def test_controller_listens_on_loopback_only(mesh4: Mesh) -> None:
     assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening), listening
 
 
-@pytest.mark.parametrize("bind", ["0.0.0.0", "::", "*", "10.1.2.3", "example.org"])
-def test_non_loopback_bind_is_refused_before_any_process_starts(bind: str) -> None:
+# Non-loopback binds turn CurveZMQ on: tests/test_curve.py. An address this
+# host does not have is refused before any process starts.
+@pytest.mark.parametrize("bind", ["10.1.2.3", "no-such-host.invalid", "bad host"])
+def test_unusable_bind_is_refused_before_any_process_starts(bind: str) -> None:
     before = _my_workers()
-    with pytest.raises(UsageError, match="CurveZMQ"):
+    with pytest.raises(UsageError, match="bind"):
         Mesh.start(n=2, backend="cpu", bind=bind)
     assert _my_workers() - before == set()
 

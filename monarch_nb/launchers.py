@@ -1,0 +1,314 @@
+"""Launchers: how a rank process is started, and where.
+
+The supervisor decides *when* a rank starts; a launcher decides *how*:
+
+* :class:`LocalLauncher` — ``python -m monarch_nb.worker`` as a child of the
+  controller, its environment carrying the keys (the notebook default);
+* :class:`SshLauncher` — ``ssh HOST 'cd CWD; exec PYTHON -m monarch_nb.cli
+  worker --key-file -'`` per rank (``--hosts a,b``);
+* :class:`SlurmLauncher` — ``srun --nodes=1 --ntasks=1 --nodelist=NODE ...``
+  per rank, inside an allocation (``salloc``/``sbatch``); ``--nodes`` and
+  ``--gpus-per-node`` map onto the allocation's nodes;
+* :class:`JoinLauncher` — starts nothing: writes each rank's spec to a 0600
+  file and waits for ``monarch-nb worker --join tcp://HOST:PORT --key-file
+  FILE`` to be run by hand, or by Kubernetes, or anything else. Its local
+  handle is a sentinel process: a rank whose heartbeats stop is declared dead
+  by killing the sentinel, and its respawn rewrites the file (new
+  incarnation) for the next process started with it.
+
+Remote ranks get their environment (rank, world, keys) as one JSON line on the
+stdin of ssh/srun (:func:`rank_spec`), never on a command line; they read it,
+then keep watching stdin: when the ssh/srun process on the controller's side
+goes, the rank exits (no orphans on other hosts). The ssh/srun process is the
+rank's local handle: its pidfd tells the controller the rank ended, and
+heartbeats catch a rank that hangs.
+
+Placement: rank ``r`` runs on node ``r // per_node`` with local rank
+``r % per_node`` (its device index).
+
+Non-goals: when to start or restart (supervisor, policy), the remote side
+(join.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import IO, Protocol
+
+from . import config
+from .backends import BackendInfo, resolve, torch_build
+from .errors import UsageError
+
+# Variables a remote rank needs from the controller's side (besides the
+# MONARCH_NB_* ones): never the controller's whole environment.
+SHIPPED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+           "MASTER_PORT", "PYTHONPATH", "PYTHONUNBUFFERED", "CUDA_VISIBLE_DEVICES",
+           "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME",
+           "NCCL_SOCKET_IFNAME")
+NOT_SHIPPED = (config.ENV_PARENT_PID, config.ENV_KEY_FILE)
+
+
+@dataclass(frozen=True)
+class Placement:
+    host: str  # "" for this machine
+    node: int
+    local_rank: int
+    local_world_size: int
+
+
+class Launcher(Protocol):
+    name: str
+    remote: bool
+
+    def placement(self, rank: int, world_size: int) -> Placement: ...
+
+    def master_addr(self, world_size: int) -> str: ...
+
+    def start(self, rank: int, env: dict[str, str], log: IO[bytes]) -> subprocess.Popen[bytes]: ...
+
+
+def _popen(argv: list[str], env: dict[str, str], log: IO[bytes],
+           stdin: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        argv, env=env, stdin=stdin, stdout=log, stderr=subprocess.STDOUT,
+        # Own session: the terminal's / Jupyter's SIGINT to the controller's
+        # process group must not hit ranks directly; interrupts go through
+        # the controller, to the call they are meant for.
+        start_new_session=True, close_fds=True,
+    )
+
+
+@dataclass
+class LocalLauncher:
+    """Ranks as children of this process (one machine)."""
+
+    name: str = "local"
+    remote: bool = False
+
+    def placement(self, rank: int, world_size: int) -> Placement:
+        return Placement("", 0, rank, world_size)
+
+    def master_addr(self, world_size: int) -> str:
+        return "127.0.0.1"
+
+    def start(self, rank: int, env: dict[str, str], log: IO[bytes]) -> subprocess.Popen[bytes]:
+        return _popen([sys.executable, "-m", "monarch_nb.worker"], env, log, subprocess.DEVNULL)
+
+
+def rank_spec(env: dict[str, str]) -> bytes:
+    """The JSON line a remote rank reads on stdin: its environment."""
+    shipped = {k: v for k, v in env.items()
+               if (k in SHIPPED or k.startswith("MONARCH_NB_")) and k not in NOT_SHIPPED}
+    return json.dumps({"env": shipped}).encode() + b"\n"
+
+
+def _local_env(env: dict[str, str]) -> dict[str, str]:
+    """The environment of the local ssh/srun process: no secrets in it."""
+    return {k: v for k, v in env.items() if k not in config.SECRET_ENV}
+
+
+@dataclass
+class _RemoteLauncher:
+    nodes: list[str]
+    per_node: int
+    master: str
+    python: str = field(default_factory=lambda: sys.executable)
+    cwd: str = field(default_factory=os.getcwd)
+    remote: bool = True
+
+    def placement(self, rank: int, world_size: int) -> Placement:
+        node = rank // self.per_node
+        return Placement(self.nodes[node], node, rank % self.per_node,
+                         min(self.per_node, world_size - node * self.per_node))
+
+    def master_addr(self, world_size: int) -> str:
+        return self.master
+
+    def worker_argv(self) -> list[str]:
+        return [self.python, "-m", "monarch_nb.cli", "worker", "--key-file", "-"]
+
+    def command(self, placement: Placement) -> list[str]:
+        raise NotImplementedError
+
+    def start(self, rank: int, env: dict[str, str], log: IO[bytes]) -> subprocess.Popen[bytes]:
+        place = self.placement(rank, int(env.get("WORLD_SIZE", rank + 1)))
+        popen = _popen(self.command(place), _local_env(env), log, subprocess.PIPE)
+        assert popen.stdin is not None
+        try:
+            popen.stdin.write(rank_spec(env))
+            popen.stdin.flush()
+        except OSError:
+            pass  # it died at once; its exit is reported like any death
+        # stdin stays open: its end is the rank's signal that we are gone
+        return popen
+
+
+@dataclass
+class SshLauncher(_RemoteLauncher):
+    """One ``ssh`` per rank. The remote command template comes from
+    ``MONARCH_NB_SSH`` (default ``ssh -T -o BatchMode=yes {host}``); the
+    worker command is appended as one shell string, so any remote shell
+    prefix works (``ip netns exec {host} sh -c`` runs ranks in network
+    namespaces: that is how the tests simulate hosts)."""
+
+    template: list[str] = field(default_factory=lambda: config.ssh_template())
+    name: str = "ssh"
+
+    def command(self, placement: Placement) -> list[str]:
+        remote = (f"cd {shlex.quote(self.cwd)} 2>/dev/null; exec "
+                  + " ".join(shlex.quote(a) for a in self.worker_argv()))
+        return [a.replace("{host}", placement.host) for a in self.template] + [remote]
+
+
+@dataclass
+class SlurmLauncher(_RemoteLauncher):
+    """One ``srun`` job step per rank, inside the current allocation (so a
+    single rank can be respawned on its node). ``--overlap`` lets a
+    replacement start while the old step is still being cleaned up."""
+
+    name: str = "slurm"
+
+    def command(self, placement: Placement) -> list[str]:
+        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={placement.host}", "--overlap",
+                "--kill-on-bad-exit=1", "--quiet", *self.worker_argv()]
+
+
+@dataclass
+class JoinLauncher:
+    """Ranks started by someone else with ``monarch-nb worker --join``."""
+
+    folder: str
+    per_node: int = 1
+    master: str = "127.0.0.1"
+    name: str = "join"
+    remote: bool = True
+
+    def placement(self, rank: int, world_size: int) -> Placement:
+        return Placement("", rank, 0, 1)  # one rank per joining process / pod
+
+    def master_addr(self, world_size: int) -> str:
+        return self.master
+
+    def spec_path(self, rank: int) -> str:
+        return os.path.join(self.folder, f"rank{rank}.json")
+
+    def start(self, rank: int, env: dict[str, str], log: IO[bytes]) -> subprocess.Popen[bytes]:
+        path = self.spec_path(rank)
+        config.write_secret_file(path, rank_spec(env))
+        sys.stderr.write(f"monarch_nb: rank {rank} (incarnation "
+                         f"{env.get(config.ENV_INCARNATION, '0')}) waits for: monarch-nb worker "
+                         f"--join {env[config.ENV_CONTROLLER]} --key-file {path}\n")
+        # The sentinel: alive while the rank counts as alive; it exits when
+        # its stdin closes (the mesh stops) and is killed when the rank dies.
+        return _popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                      _local_env(env), log, subprocess.PIPE)
+
+
+# -- building one from a MeshConfig -------------------------------------------------------------
+def world_and_per_node(n: int | None, nodes: int, gpus_per_node: int | None) -> tuple[int, int]:
+    """(world size, ranks per node) for ``nodes`` nodes."""
+    if gpus_per_node is not None:
+        world = n if n is not None else nodes * gpus_per_node
+        if world > nodes * gpus_per_node:
+            raise UsageError(f"-n {world} does not fit on {nodes} node(s) x {gpus_per_node} "
+                             f"rank(s); raise --nodes or --gpus-per-node")
+        return world, gpus_per_node
+    world = n if n is not None else nodes
+    return world, max(1, math.ceil(world / nodes))
+
+
+def resolve_address(host: str) -> str:
+    try:
+        return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
+    except OSError:
+        return host
+
+
+def slurm_nodes() -> list[str]:
+    """The node names of the current allocation (in order)."""
+    if not os.environ.get("SLURM_JOB_ID"):
+        raise UsageError("--launcher slurm runs inside a SLURM allocation: start the launch "
+                         "from salloc or an sbatch script (no SLURM_JOB_ID here)")
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
+    if shutil.which("scontrol") is None:
+        raise UsageError("--launcher slurm needs scontrol and srun on PATH")
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                         text=True, timeout=30)
+    nodes = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    if out.returncode != 0 or not nodes:
+        raise UsageError(f"cannot list the allocation's nodes ({nodelist!r}): {out.stderr.strip()}")
+    return nodes
+
+
+def slurm_node_address(node: str) -> str:
+    """The address slurm knows a node by (``NodeAddr``), else its name resolved."""
+    out = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True,
+                         text=True, timeout=30)
+    for item in out.stdout.split():
+        if item.startswith("NodeAddr="):
+            return resolve_address(item.split("=", 1)[1])
+    return resolve_address(node)
+
+
+def from_config(cfg: config.MeshConfig, n: int | None) -> tuple[Launcher, int]:
+    """The launcher for ``cfg`` and the world size it gives."""
+    if cfg.launcher == "local":
+        if cfg.nodes not in (None, 1):
+            raise UsageError(f"--nodes {cfg.nodes} needs --launcher slurm or ssh; the local "
+                             "launcher runs on this machine only")
+        world = n if n is not None else cfg.gpus_per_node
+        return LocalLauncher(), world or 0
+    if cfg.launcher == "join":
+        folder = cfg.join_dir or tempfile.mkdtemp(prefix="monarch-nb-join-")
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        os.chmod(folder, 0o700)
+        world = n if n is not None else (cfg.nodes or 1) * (cfg.gpus_per_node or 1)
+        return JoinLauncher(folder, master=cfg.master_addr or "127.0.0.1"), world
+    if cfg.launcher == "ssh":
+        hosts = list(cfg.hosts)
+        nodes = cfg.nodes or len(hosts)
+        if nodes > len(hosts):
+            raise UsageError(f"--nodes {nodes} but only {len(hosts)} host(s) in --hosts")
+        world, per_node = world_and_per_node(n, nodes, cfg.gpus_per_node)
+        master = cfg.master_addr or resolve_address(hosts[0].rsplit("@", 1)[-1])  # user@host
+        return SshLauncher(hosts[:nodes], per_node, master), world
+    all_nodes = slurm_nodes()
+    env_nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", len(all_nodes)))
+    nodes = cfg.nodes or min(env_nodes, len(all_nodes))
+    if nodes > len(all_nodes):
+        raise UsageError(f"--nodes {nodes} but the allocation has {len(all_nodes)} node(s)")
+    wanted: int | None = cfg.gpus_per_node
+    tasks = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+    if wanted is None and n is None and tasks.isdigit():
+        wanted = int(tasks)
+    world, per = world_and_per_node(n, nodes, wanted)
+    master = cfg.master_addr or slurm_node_address(all_nodes[0])
+    return SlurmLauncher(all_nodes[:nodes], per, master), world
+
+
+def remote_backend(requested: str, launcher: Launcher) -> BackendInfo:
+    """The backend of ranks on other nodes: their GPUs are not visible from
+    here, so the node's devices are assumed to be 0..per_node-1 (each rank
+    pins ``local_rank``); a CPU build of torch here means CPU ranks."""
+    build = torch_build()
+    flavour = "rocm" if build["hip"] else ("cuda" if build["cuda"] else "cpu")
+    if requested == "cpu" or (requested == "auto" and flavour == "cpu"):
+        return resolve("cpu")
+    if requested in ("cuda", "rocm") and flavour not in (requested, "cpu"):
+        raise UsageError(f"--backend {requested} but torch here is a {flavour} build")
+    name = flavour if requested == "auto" else requested
+    per_node = int(getattr(launcher, "per_node", 1))
+    return BackendInfo(name, "nccl", build["version"], tuple(str(i) for i in range(per_node)))
+
+
+__all__ = ["JoinLauncher", "Launcher", "LocalLauncher", "Placement", "SlurmLauncher", "SshLauncher",
+           "from_config", "rank_spec"]

@@ -1,0 +1,332 @@
+"""Real engines for tests: network namespaces (simulated hosts), a packet
+capture, and a single-machine SLURM cluster.
+
+Each set-up either works or says why not: :func:`unavailable` skips the test
+with the reason, except under CI (``CI=true``), where the environment is
+supposed to be complete (.ci/run installs slurm-wlm, munge and tcpdump) and
+the test fails instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+def unavailable(reason: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must provide this environment: {reason}")
+    pytest.skip(reason)
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=30, check=check)
+
+
+# -- network namespaces -----------------------------------------------------------------------
+@dataclass
+class Hosts:
+    """Namespaces ``names`` on one bridge; ``addrs[i]`` is namespace i's
+    address, ``bridge_addr`` the controller's (root namespace)."""
+
+    names: list[str]
+    addrs: list[str]
+    bridge: str
+    bridge_addr: str
+
+
+_netns_count = itertools.count()
+
+
+@contextlib.contextmanager
+def netns_hosts(count: int = 2) -> Iterator[Hosts]:
+    if os.geteuid() != 0:
+        unavailable("network namespaces need root")
+    if shutil.which("ip") is None:
+        unavailable("the ip command (iproute2) is missing")
+    n = next(_netns_count)  # several sets in one process never collide
+    tag = f"m{os.getpid() % 100000}{n}"
+    subnet = f"10.{200 + (os.getpid() + n) % 50}.{os.getpid() % 250}"
+    bridge = f"{tag}br"
+    names = [f"{tag}ns{i}" for i in range(count)]
+    hosts = Hosts(names, [f"{subnet}.{11 + i}" for i in range(count)], bridge, f"{subnet}.1")
+    made_ns: list[str] = []
+    made_links: list[str] = []
+    try:
+        try:
+            _run("ip", "link", "add", bridge, "type", "bridge")
+            made_links.append(bridge)
+            _run("ip", "addr", "add", f"{hosts.bridge_addr}/24", "dev", bridge)
+            _run("ip", "link", "set", bridge, "up")
+            for i, ns in enumerate(names):
+                outer, inner = f"{tag}x{i}", f"{tag}y{i}"
+                _run("ip", "netns", "add", ns)
+                made_ns.append(ns)
+                _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+                made_links.append(outer)
+                _run("ip", "link", "set", outer, "master", bridge)
+                _run("ip", "link", "set", outer, "up")
+                _run("ip", "link", "set", inner, "netns", ns)
+                _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{hosts.addrs[i]}/24",
+                     "dev", inner)
+                _run("ip", "netns", "exec", ns, "ip", "link", "set", inner, "up")
+                _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        except (subprocess.CalledProcessError, OSError) as exc:
+            detail = getattr(exc, "stderr", "") or str(exc)
+            unavailable(f"cannot create network namespaces here: {detail.strip()}")
+        yield hosts
+    finally:
+        for ns in made_ns:
+            _run("ip", "netns", "del", ns, check=False)
+        for link in made_links:
+            _run("ip", "link", "del", link, check=False)
+
+
+@contextlib.contextmanager
+def capture(interface: str, path: Path) -> Iterator[Path]:
+    """tcpdump on ``interface`` into ``path`` for the duration of the block."""
+    if shutil.which("tcpdump") is None:
+        unavailable("tcpdump is not installed (apt-get install tcpdump)")
+    proc = subprocess.Popen(["tcpdump", "-i", interface, "-U", "-n", "-s", "0", "-Z", "root",
+                             "-w", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        # armed once it says "listening on ..." (on stderr)
+        first = proc.stderr.readline().decode() if proc.stderr else ""
+        if proc.poll() is not None or "listening" not in first:
+            rest = proc.stderr.read().decode() if proc.stderr and proc.poll() is not None else ""
+            unavailable(f"tcpdump could not capture on {interface}: {first.strip()} {rest.strip()}")
+        time.sleep(0.5)
+        yield path
+    finally:
+        time.sleep(1.0)  # let the last packets be written (-U: per packet)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
+
+
+# -- SLURM -------------------------------------------------------------------------------------
+SLURM_CONF = """\
+ClusterName=mnbtest
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+MpiDefault=none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+MailProg=/bin/true
+ReturnToService=2
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.%n.pid
+SlurmdSpoolDir={d}/spool.%n
+StateSaveLocation={d}/state
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd.%n.log
+SchedulerType=sched/backfill
+InactiveLimit=0
+KillWait=5
+MinJobAge=5
+{nodes}
+PartitionName=main Nodes={node_names} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+"""
+
+
+@dataclass
+class Slurm:
+    conf: str
+    env: dict[str, str]
+    nodes: list[str]
+    folder: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stop_pid_file(path: str) -> None:
+    try:
+        pid = int(Path(path).read_text().strip())
+    except (OSError, ValueError):
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def slurm_cluster(nodes: int = 2) -> Iterator[Slurm]:
+    """munged + slurmctld + ``nodes`` slurmd daemons on this machine (one
+    ``NodeName`` each, all at 127.0.0.1 on their own ports), stopped by
+    their pid files afterwards."""
+    if os.geteuid() != 0:
+        unavailable("the SLURM fixture runs daemons as root")
+    for tool in ("munged", "slurmctld", "slurmd", "srun", "salloc", "scontrol", "sinfo"):
+        if shutil.which(tool) is None:
+            unavailable(f"{tool} is missing (apt-get install slurm-wlm munge)")
+    folder = tempfile.mkdtemp(prefix="mnb-slurm-")
+    os.chmod(folder, 0o755)
+    host = socket.gethostname().split(".")[0]
+    probe = _run("slurmd", "-C", check=False).stdout.splitlines()
+    spec = probe[0].split(None, 1)[1] if probe and probe[0].startswith("NodeName=") else "CPUs=2"
+    # drop the host name from `slurmd -C`'s line, keep CPUs/Boards/Sockets/...
+    spec = " ".join(p for p in spec.split() if not p.startswith("NodeName="))
+    names = [f"n{i + 1}" for i in range(nodes)]
+    node_lines = "\n".join(
+        f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} {spec}"
+        for n in names)
+    conf = os.path.join(folder, "slurm.conf")
+    Path(conf).write_text(SLURM_CONF.format(host=host, ctld_port=_free_port(), d=folder,
+                                            nodes=node_lines, node_names=",".join(names)))
+    os.makedirs(os.path.join(folder, "state"))
+    env = {**os.environ, "SLURM_CONF": conf}
+    pid_files = []
+    try:
+        # munged as the munge user (as root it refuses: "logfile is insecure");
+        # the default socket path /run/munge is what slurm's auth/munge uses.
+        os.makedirs("/run/munge", exist_ok=True)
+        shutil.chown("/run/munge", "munge", "munge")
+        munge_pid = "/run/munge/munged.pid"
+        if not _alive(munge_pid):
+            res = _run("runuser", "-u", "munge", "--", "munged", check=False)
+            if res.returncode != 0:
+                unavailable(f"munged did not start: {res.stderr.strip()}")
+            pid_files.append(munge_pid)
+        res = subprocess.run(["slurmctld"], env=env, capture_output=True, text=True, timeout=30)
+        pid_files.append(os.path.join(folder, "slurmctld.pid"))
+        if res.returncode != 0:
+            unavailable(f"slurmctld did not start: {res.stderr.strip()}")
+        for n in names:
+            res = subprocess.run(["slurmd", "-N", n], env=env, capture_output=True, text=True,
+                                 timeout=30)
+            pid_files.append(os.path.join(folder, f"slurmd.{n}.pid"))
+            if res.returncode != 0:
+                unavailable(f"slurmd -N {n} did not start: {res.stderr.strip()}")
+        deadline = time.monotonic() + 30
+        while True:
+            out = subprocess.run(["sinfo", "-h", "-o", "%t %D"], env=env, capture_output=True,
+                                 text=True, timeout=30).stdout.split()
+            if out[:2] == ["idle", str(nodes)]:
+                break
+            if time.monotonic() > deadline:
+                log = Path(folder, "slurmctld.log").read_text()[-2000:]
+                unavailable(f"SLURM nodes not idle within 30 s (sinfo: {out}); log:\n{log}")
+            time.sleep(0.2)
+        yield Slurm(conf, env, names, folder)
+    finally:
+        for pid_file in reversed(pid_files):
+            _stop_pid_file(pid_file)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid_file: str) -> bool:
+    try:
+        os.kill(int(Path(pid_file).read_text().strip()), 0)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+# -- sshd ----------------------------------------------------------------------------------------
+@dataclass
+class Sshd:
+    """An sshd per namespace of ``hosts``; ``template`` is the ssh command
+    (for MONARCH_NB_SSH) that logs in to them as root with a fresh key."""
+
+    hosts: Hosts
+    template: str
+
+
+@contextlib.contextmanager
+def sshd_in(hosts: Hosts, folder: str) -> Iterator[Sshd]:
+    for tool in ("/usr/sbin/sshd", "ssh", "ssh-keygen"):
+        if shutil.which(tool) is None:
+            unavailable(f"{tool} is missing (apt-get install openssh-server openssh-client)")
+    os.chmod(folder, 0o700)
+    key = os.path.join(folder, "id")
+    host_key = os.path.join(folder, "host_key")
+    for path in (key, host_key):
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", path)
+    Path(folder, "authorized_keys").write_text(Path(key + ".pub").read_text())
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # privilege separation directory
+    procs = []
+    try:
+        for ns, addr in zip(hosts.names, hosts.addrs, strict=True):
+            conf = Path(folder, f"sshd_{ns}.conf")
+            conf.write_text(textwrap.dedent(f"""\
+                ListenAddress {addr}
+                Port 22
+                HostKey {host_key}
+                PermitRootLogin prohibit-password
+                AuthorizedKeysFile {folder}/authorized_keys
+                PasswordAuthentication no
+                KbdInteractiveAuthentication no
+                UsePAM no
+                StrictModes no
+                PidFile {folder}/sshd_{ns}.pid
+                """))
+            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, "/usr/sbin/sshd", "-D", "-e",
+                                           "-f", str(conf)], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE))
+        template = (f"ssh -T -i {key} -o BatchMode=yes -o StrictHostKeyChecking=no "
+                    f"-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR root@{{host}}")
+        deadline = time.monotonic() + 15
+        for addr, proc in zip(hosts.addrs, procs, strict=True):
+            while True:
+                probe = subprocess.run([*template.replace("{host}", addr).split(), "true"],
+                                       capture_output=True, text=True, timeout=30)
+                if probe.returncode == 0:
+                    break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    err = proc.stderr.read().decode() if proc.poll() is not None and proc.stderr \
+                        else probe.stderr
+                    unavailable(f"sshd in a namespace is not reachable: {err.strip()}")
+                time.sleep(0.2)
+        yield Sshd(hosts, template)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            if proc.stderr:
+                proc.stderr.close()
