@@ -131,9 +131,18 @@ def _evil_payload(marker: pathlib.Path, tmp_path: pathlib.Path) -> list[bytes]:
 
 
 def _my_workers() -> set[int]:
-    """Rank processes started by this test process (other engineers run meshes too)."""
+    """Rank processes started by this test process (other engineers run meshes
+    too), without spare processes: other meshes of this module start those in
+    the background (they hold no endpoint or key until they become a rank)."""
     mine = {c.pid for c in psutil.Process().children(recursive=True)}
-    return worker_pids() & mine
+    out = set()
+    for pid in worker_pids() & mine:
+        try:
+            if "MONARCH_NB_SPARE" not in psutil.Process(pid).environ():
+                out.add(pid)
+        except psutil.Error:
+            continue
+    return out
 
 
 def _port(endpoint: str) -> int:
