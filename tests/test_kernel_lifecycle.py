@@ -99,7 +99,9 @@ def test_ranks_end_within_5s(action: Callable[[KernelSession], None]) -> None:
             assert r.error["ename"] == "MeshNotRunning"
             assert psutil.pid_exists(kernel_pid)
         if action is _restart:
-            # a fresh kernel answers, without the old mesh
+            # a fresh kernel answers, without the old mesh (wait until its
+            # iopub reaches us: a cell sent earlier could publish unseen)
+            ks.kc.wait_for_ready(timeout=60)
             r = ks.run("1 + 1")
             assert r.status == "ok" and r.results == ["2"], r
     finally:
