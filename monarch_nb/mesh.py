@@ -284,8 +284,8 @@ class Mesh(_RankSet):
     def status(self) -> list[dict[str, Any]]:
         """One dict per rank: state, pid, incarnation, device, heartbeat age,
         exit, restarts, host, health (cpu %, rss bytes; GPU memory used /
-        total / peak bytes, util %, temp °C, power W: None = n/a), steps/s
-        and the last value of each ``mnb.log`` metric."""
+        total / peak bytes, util %, temp °C, power W: None = n/a), steps/s,
+        the last ``mnb.log`` step and the last value of each metric."""
         now = time.monotonic()
         rows = []
         store = self._ctl.metrics
@@ -298,7 +298,8 @@ class Mesh(_RankSet):
                 if info.state in (RankState.DEAD, RankState.FAILED) else "",
                 "restarts": info.incarnation, "host": info.host,
                 **health_fields(info.health),
-                "steps_per_s": store.steps_per_s(info.rank, now), "last": store.last(info.rank),
+                "steps_per_s": store.steps_per_s(info.rank, now), "step": store.last_step(info.rank),
+                "last": store.last(info.rank),
             })
         return rows
 
