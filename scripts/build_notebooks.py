@@ -12,7 +12,8 @@ interpreter, on a local 4-rank CPU mesh)::
 
 Outputs are stored as the kernel produced them, except that this checkout's
 absolute path is replaced with ``.`` (tracebacks of unchecked cells would
-otherwise carry the path of whoever built them).
+otherwise carry the path of whoever built them) and the live dashboard keeps
+only its text fallback (a stored widget view has no kernel to draw it).
 
 Non-goals: checking outputs (nbval does, with notebooks/nbval_sanitize.cfg),
 printing the run (scripts/run_notebook.py, ``make demo``).
@@ -60,9 +61,13 @@ def _scrub(nb: Any) -> None:
                 out["text"] = out["text"].replace(root, ".")
             if "traceback" in out:
                 out["traceback"] = [t.replace(root, ".") for t in out["traceback"]]
+            # The dashboard is a live widget: without its kernel a stored view shows
+            # "model not found", so keep the text fallback (the status table).
+            out.get("data", {}).pop("application/vnd.jupyter.widget-view+json", None)
             for key in ("text/plain", "text/html"):
                 if key in out.get("data", {}):
                     out["data"][key] = out["data"][key].replace(root, ".")
+    nb.metadata.pop("widgets", None)
     nbformat.validator.normalize(nb)
 
 
