@@ -319,7 +319,9 @@ faulted == clean
     md("""
 What happened, from the mesh's event log (the dashboard shows the same): rank 1 died of
 SIGKILL, was respawned as incarnation 1, and the group was re-formed (rank -1 is the mesh
-itself).
+itself). A survivor may be `replaced` as well: gloo does not always wake a rank whose
+collective waits on another survivor, so one that has not answered the re-formation within
+a few seconds gets a fresh process, which takes the state from a live peer like rank 1.
 """),
     code("""
 t0 = mesh.events[0]["time"]
