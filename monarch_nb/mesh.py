@@ -238,13 +238,22 @@ class Mesh(_RankSet):
             ctl.stop(grace=1.0)
             raise
         mesh = cls(ctl)
-        _live_meshes.add(mesh)
+        _live_meshes[mesh] = None
         return mesh
+
+    @classmethod
+    def current(cls) -> Mesh:
+        """The most recently started mesh that is still running: the one
+        ``%monarch start`` made, for the Python API in a notebook cell."""
+        for mesh in reversed(list(_live_meshes)):
+            if mesh.running:
+                return mesh
+        raise MeshNotRunning("no mesh is running; start one with %monarch start or Mesh.start()")
 
     def stop(self) -> None:
         """Stop every rank (killing stuck ones after a short grace)."""
         self._ctl.stop()
-        _live_meshes.discard(self)
+        _live_meshes.pop(self, None)
 
     def __enter__(self) -> Mesh:
         return self
@@ -418,7 +427,7 @@ class Mesh(_RankSet):
         return where
 
 
-_live_meshes: set[Mesh] = set()
+_live_meshes: dict[Mesh, None] = {}  # insertion-ordered: the newest last
 
 
 def _warn_collective(where: dict[int, str]) -> None:

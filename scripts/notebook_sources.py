@@ -289,7 +289,8 @@ fixed step (`chaos.die_at(state.step, 10, rank=1)`).
 """),
     code("""
 import time
-mesh = get_ipython().find_magic("monarch").__self__.mesh   # the mesh %monarch started
+import monarch_nb as mnb
+mesh = mnb.Mesh.current()   # the mesh %monarch started, for the Python API
 
 def steps_done(rank):
     return mesh.status()[rank]["last"].get("steps", 0)     # the last value it logged
@@ -386,7 +387,8 @@ that called it. (The loop first waits until the three ranks have reached the col
 """),
     code("""
 import time
-mesh = get_ipython().find_magic("monarch").__self__.mesh
+import monarch_nb as mnb
+mesh = mnb.Mesh.current()   # the mesh %monarch started
 
 deadline = time.monotonic() + 60
 while not (len(mesh.stacks().groups()) == 2 and mesh.stacks()[0].collective()):

@@ -149,6 +149,15 @@ def test_cell_before_start_names_mesh_not_running(kernel: KernelSession) -> None
     # other subcommands that need a mesh say the same
     r = failed(kernel, "%monarch status")
     assert r.error is not None and r.error["ename"] == "MeshNotRunning"
+    r = failed(kernel, "import monarch_nb\nmonarch_nb.Mesh.current()")
+    assert r.error is not None and r.error["ename"] == "MeshNotRunning"
+
+
+def test_python_api_reaches_the_mesh_the_magics_started(mesh: KernelSession) -> None:
+    r = ok(mesh, "import monarch_nb\n"
+                 "m = monarch_nb.Mesh.current()\n"
+                 f"m is {MAGICS}.mesh, sorted(m.run(lambda: 7).values())")
+    assert r.results == ["(True, [7, 7, 7, 7])"], r
 
 
 # -- running cells ----------------------------------------------------------------------
