@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,18 +121,48 @@ def pin_env(info: BackendInfo, local_rank: int, env: dict[str, str]) -> None:
         env["CUDA_VISIBLE_DEVICES"] = device
 
 
-def make_store(rank: int, world_size: int, addr: str, port: int, timeout_s: float = 300.0) -> Any:
+class JoinAborted(RuntimeError):
+    """A re-formation was given up because a newer one superseded it."""
+
+
+_JOINED = "monarch_nb/joined"
+_ATTEMPT_S = 1.0  # one connection attempt to rank 0's store, between abort checks
+
+
+def make_store(rank: int, world_size: int, addr: str, port: int, timeout_s: float = 300.0,
+               abort: Callable[[], bool] | None = None) -> Any:
     """The rendezvous TCPStore. Rank 0 hosts it on a socket bound to
     ``addr`` only: torch's own TCPStore server listens on every interface,
-    an unauthenticated key-value store open to the network."""
+    an unauthenticated key-value store open to the network.
+
+    Every member's wait for the others (connecting, then a counter reaching
+    ``world_size``) checks ``abort()`` between short steps and raises
+    :class:`JoinAborted` when it says so: a member that died
+    while the group formed never arrives, and torch's own wait would only
+    end at the timeout, while the next generation's members wait for us."""
     import datetime
     import socket
 
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    if abort is None:
+        abort = _never
     if rank != 0:
-        return dist.TCPStore(addr, port, world_size, False, timeout=timeout)
+        while True:
+            try:
+                store = dist.TCPStore(addr, port, world_size, False,
+                                      timeout=datetime.timedelta(seconds=_ATTEMPT_S))
+                break
+            except (RuntimeError, OSError):  # DistNetworkError / DistStoreError included
+                if abort():
+                    raise JoinAborted("a newer generation superseded this one") from None
+                if time.monotonic() > deadline:
+                    raise
+        store.set_timeout(timeout)
+        _await_members(store, world_size, abort, deadline)
+        return store
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -139,21 +171,47 @@ def make_store(rank: int, world_size: int, addr: str, port: int, timeout_s: floa
     # The store owns the fd from here on (it closes it when the group is
     # destroyed): detach, or Python would close it a second time later — by
     # then possibly the next generation's socket under the same number.
-    return dist.TCPStore(addr, port, world_size, True, timeout=timeout,
-                         master_listen_fd=sock.detach())
+    # wait_for_workers=False: the members are counted in _await_members,
+    # where the wait can be abandoned
+    store = dist.TCPStore(addr, port, world_size, True, timeout=timeout,
+                          master_listen_fd=sock.detach(), wait_for_workers=False)
+    _await_members(store, world_size, abort, deadline)
+    return store
+
+
+def _never() -> bool:
+    return False
+
+
+def _await_members(store: Any, world_size: int, abort: Callable[[], bool],
+                   deadline: float) -> None:
+    """Count in, then wait until all ``world_size`` members have, checking
+    ``abort`` meanwhile. (Each generation has its own store and port.)"""
+    store.add(_JOINED, 1)
+    pause = 0.001
+    while store.add(_JOINED, 0) < world_size:
+        if abort():
+            raise JoinAborted("a newer generation superseded this one")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {store.add(_JOINED, 0)} of {world_size} members "
+                               "joined the new group")
+        time.sleep(pause)
+        pause = min(0.02, pause * 2)
 
 
 def init_group(backend: str, rank: int, world_size: int, addr: str = "127.0.0.1",
-               port: int = 0, timeout_s: float | None = None) -> str:
+               port: int = 0, timeout_s: float | None = None,
+               abort: Callable[[], bool] | None = None) -> str:
     """Join the torch.distributed group; returns a short description of the
-    device, e.g. ``cuda:0 (NVIDIA H200)`` or ``cpu``."""
+    device, e.g. ``cuda:0 (NVIDIA H200)`` or ``cpu``. ``abort``: see
+    :func:`make_store` (re-formations)."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
     kwargs: dict[str, Any] = {"rank": rank, "world_size": world_size,
-                              "store": make_store(rank, world_size, addr, port)}
+                              "store": make_store(rank, world_size, addr, port, abort=abort)}
     if timeout_s:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     if backend in ("cuda", "rocm"):

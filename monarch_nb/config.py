@@ -108,6 +108,8 @@ class MeshConfig:
     max_message_bytes: int = 4 << 30
     hang_timeout: float | None = 60.0
     spare: bool = True
+    restart_budget: int = 5  # respawns of one rank within restart_window s, then FAILED
+    restart_window: float = 600.0
     extra_env: tuple[tuple[str, str], ...] = field(default=())
     nodes: int | None = None
     gpus_per_node: int | None = None
@@ -122,6 +124,14 @@ class MeshConfig:
             raise UsageError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
         if self.respawn not in RESPAWN_MODES:
             raise UsageError(f"respawn {self.respawn!r} is not one of {', '.join(RESPAWN_MODES)}")
+        if (isinstance(self.restart_budget, bool) or not isinstance(self.restart_budget, int)
+                or self.restart_budget < 0):
+            raise UsageError(f"restart_budget must be a whole number of respawns (0 or more), "
+                             f"not {self.restart_budget!r}")
+        if (isinstance(self.restart_window, bool) or not isinstance(self.restart_window, (int, float))
+                or not self.restart_window > 0):
+            raise UsageError(f"restart_window must be a positive number of seconds, "
+                             f"not {self.restart_window!r}")
         if self.launcher not in LAUNCHERS:
             raise UsageError(f"launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
         check_hang_timeout(self.hang_timeout)

@@ -107,7 +107,8 @@ class Controller(Inspector, Recovery):
         self._by_ident: dict[bytes, RankInfo] = {}
         self._state_changed = threading.Condition()
         self.default_output: CallOutput | None = None  # for output outside calls
-        self.policy = RestartPolicy(world_size, mode=cfg.respawn)
+        self.policy = RestartPolicy(world_size, mode=cfg.respawn, budget=cfg.restart_budget,
+                                    window=cfg.restart_window)
         self.generation = 0
         self.setup_cells: list[dict[str, Any]] = []  # --setup cells, replayed on respawn
         self.deferred: list[Callable[[], None]] = []  # calls waiting for respawning ranks

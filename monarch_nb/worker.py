@@ -39,7 +39,7 @@ from typing import Any
 import zmq
 
 from . import _context, config, debug, metrics, serialize, spare
-from .backends import init_group
+from .backends import JoinAborted, init_group
 from .capture import OutputBuffer, RankStream
 from .config import RankEnv
 from .health import HealthProbe
@@ -230,10 +230,9 @@ class Worker:
         controller's REFORM, join the new group, return its generation.
         Other messages that arrive meanwhile are kept, in order."""
         deadline = time.monotonic() + timeout
-        for i, msg in enumerate(self.pending):  # it may already be here
-            if msg.kind == Kind.REFORM:
-                del self.pending[i]
-                return self._reform(msg)
+        newest = self._take_reforms()  # it may already be here
+        if newest is not None:
+            return self._reform(newest)
         while time.monotonic() < deadline:
             if not self.main_sock.poll(100):
                 continue
@@ -248,7 +247,37 @@ class Worker:
     def _reform(self, msg: Message) -> int:
         """Leave the old torch.distributed group and join the new generation
         (a member died and was replaced). Runs between calls, on the main
-        thread, like everything that touches torch.distributed."""
+        thread, like everything that touches torch.distributed. A member
+        that dies while the group forms makes the controller send a newer
+        REFORM: the join in progress is abandoned for that one."""
+        while True:
+            try:
+                return self._join(msg)
+            except JoinAborted:
+                newest = self._take_reforms()
+                if newest is None:  # a STOP is waiting: serve() reaches it next
+                    raise RuntimeError("the mesh is stopping") from None
+                msg = newest
+
+    def _newer_reform(self, generation: int) -> bool:
+        """Anything on the main socket is kept in order; True if a REFORM
+        newer than ``generation`` or a STOP is among it."""
+        while self.main_sock.poll(0):
+            got = recv_verified(self.main_sock, self.main_codec, self.dropped)
+            if got is not None:
+                self.pending.append(got)
+        return any(m.kind == Kind.STOP or (m.kind == Kind.REFORM and
+                                           int(m.meta.get("generation", 0)) > generation)
+                   for m in self.pending)
+
+    def _take_reforms(self) -> Message | None:
+        """Remove the pending REFORMs; return the newest."""
+        reforms = [m for m in self.pending if m.kind == Kind.REFORM]
+        for m in reforms:
+            self.pending.remove(m)
+        return max(reforms, key=lambda m: int(m.meta.get("generation", 0)), default=None)
+
+    def _join(self, msg: Message) -> int:
         generation, port = int(msg.meta["generation"]), int(msg.meta["port"])
         # "out of the old collective, joining": the controller stops waiting
         # for this survivor before the (slower) join completes
@@ -262,8 +291,11 @@ class Worker:
             os.environ["MASTER_PORT"] = str(port)
             os.environ["MONARCH_NB_GENERATION"] = str(generation)
             init_group(self.env.backend, self.env.rank, self.env.world_size,
-                       self.env.master_addr, port)
+                       self.env.master_addr, port,
+                       abort=lambda: self._newer_reform(generation))
             _context._set(generation=generation)
+        except JoinAborted:
+            raise
         except Exception as exc:  # reported; the controller decides
             error = f"{type(exc).__name__}: {exc}"
         self._send_main(Kind.REFORMED, meta={"generation": generation, "error": error})

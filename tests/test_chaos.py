@@ -3,8 +3,11 @@ its cause, and the rank comes back (``--respawn rank``)."""
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 
+import psutil
 import pytest
 
 import monarch_nb as mnb
@@ -86,6 +89,53 @@ def test_setup_replay_that_raises_is_reported() -> None:
         failed = [e for e in mesh.events if e["kind"] == "setup_failed"]
         assert failed[0]["rank"] == 1 and "setup replay fails" in failed[0]["detail"]
         assert mesh.run(mnb.rank) == {0: 0, 1: 1}  # the rank still answers
+
+
+def test_repeated_kills_past_the_budget_mark_the_rank_failed() -> None:
+    with Mesh.start(n=2, backend="cpu", restart_budget=2) as mesh:
+        for inc in (1, 2):
+            mesh.kill(1)
+            wait_for(lambda inc=inc: _back(mesh, 1, inc), timeout=60, what=f"incarnation {inc}")
+        mesh.kill(1)  # the third death within the window: over a budget of 2
+        wait_for(lambda: mesh.status()[1]["state"] == "failed", timeout=30, what="rank 1 failed")
+        gave_up = [e for e in mesh.events if e["kind"] == "gave_up"]
+        assert [e["rank"] for e in gave_up] == [1]
+        assert "died 3 times within 600 s" in gave_up[0]["detail"], gave_up
+        # a call to it is refused at once, saying what to do; the other rank answers
+        with pytest.raises(mnb.MonarchError, match=r"restart budget is spent.*restart 1"):
+            mesh.run(mnb.rank, timeout=30)
+        assert mesh.ranks("0").run(mnb.rank) == {0: 0}
+        mesh.restart(1)  # the user's restart is not counted against the budget
+        wait_for(lambda: _back(mesh, 1, 3), timeout=60, what="rank 1 restarted")
+        assert mesh.run(mnb.rank) == {0: 0, 1: 1}
+
+
+def test_a_kill_during_respawn_is_survived(tmp_path) -> None:
+    # The first replacement of rank 1 takes 3 s to start (no spare), so it can
+    # be killed while the mesh is waiting for it.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, time\n"
+        "if os.environ.get('RANK') == '1' and os.environ.get('MONARCH_NB_INCARNATION') == '1':\n"
+        "    time.sleep(3)\n")
+    env = (("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"),)
+    with Mesh.start(n=2, backend="cpu", spare=False, extra_env=env) as mesh:
+        old = mesh.status()[1]["pid"]
+        mesh.kill(1)
+
+        def starting() -> int | None:
+            row = mesh.status()[1]
+            return row["pid"] if row["incarnation"] == 1 and row["pid"] != old \
+                and row["state"] in ("starting", "respawning") else None
+
+        pid = wait_for(starting, timeout=30, what="rank 1's replacement starting")
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: _back(mesh, 1, 2), timeout=60,
+                 what="rank 1 back after two deaths")
+        deaths = [e for e in mesh.events if e["kind"] == "died" and e["rank"] == 1]
+        assert [e["incarnation"] for e in deaths] == [0, 1], deaths
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert mesh.exec("import torch, torch.distributed as dist\n"
+                         "x = torch.ones(1)\ndist.all_reduce(x)\nx.item()") == {0: 2.0, 1: 2.0}
 
 
 def test_random_faults_are_reproducible() -> None:

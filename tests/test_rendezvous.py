@@ -1,0 +1,52 @@
+"""The rendezvous store of a (re-)forming group: members are counted in, and
+a member's wait can be abandoned when a newer generation supersedes it (a
+peer died while the group formed). Real TCPStores on loopback, in-process."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from monarch_nb.backends import JoinAborted, make_store
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_all_members_counted_in() -> None:
+    port = _free_port()
+    stores: dict[int, object] = {}
+
+    def member(rank: int) -> None:
+        stores[rank] = make_store(rank, 3, "127.0.0.1", port, timeout_s=30)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in (2, 1, 0)]  # rank 0 last
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(stores) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_wait_for_a_member_that_never_comes_can_be_abandoned(rank: int) -> None:
+    # rank 0 hosts the store and waits for rank 1; rank 1 waits to reach a
+    # store nobody hosts. Either gives up as soon as abort() says so.
+    port = _free_port()
+    flag = threading.Event()
+    threading.Timer(0.5, flag.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(JoinAborted):
+        make_store(rank, 2, "127.0.0.1", port, timeout_s=60, abort=flag.is_set)
+    assert time.monotonic() - t0 < 30  # not torch's own timeout (60 s here)
+
+
+def test_without_abort_a_missing_member_is_a_timeout() -> None:
+    with pytest.raises(TimeoutError, match="1 of 2 members"):
+        make_store(0, 2, "127.0.0.1", _free_port(), timeout_s=1)
