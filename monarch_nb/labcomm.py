@@ -87,8 +87,10 @@ def _coarse(msg: dict[str, Any]) -> Any:
 class Hub:
     """The open comms of one kernel and the thread that feeds them."""
 
-    def __init__(self, source: Callable[[], Any], max_hz: float = MAX_HZ) -> None:
+    def __init__(self, source: Callable[[], Any], max_hz: float = MAX_HZ,
+                 background: bool = True) -> None:
         self.source = source  # -> the mesh to show (running or last stopped) or None
+        self.background = background  # False: the caller ticks (tests)
         self.comms: list[Any] = []
         self.throttle = Throttle(max_hz)
         self.sent = 0  # summaries pushed (tests)
@@ -114,7 +116,7 @@ class Hub:
             if comm not in self.comms:
                 self.comms.append(comm)
             self._force = True
-            if self._thread is None or not self._thread.is_alive():
+            if self.background and (self._thread is None or not self._thread.is_alive()):
                 self._thread = threading.Thread(target=self._run, name="monarch-nb-labcomm",
                                                 daemon=True)
                 self._thread.start()
