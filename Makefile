@@ -1,6 +1,8 @@
 # monarch_nb developer tasks. GNU make.
 #
 #   make demo    run notebooks/01_quickstart.ipynb headless on a local CPU mesh
+#   make lab     JupyterLab on notebooks/ (with the mesh status bar and panel)
+#   make extension  rebuild the JupyterLab extension (extension/) after edits
 #   make test    run the test suite
 #   make lint    ruff + mypy
 #   make bench   benchmarks (installs the `bench` extra first)
@@ -34,7 +36,7 @@ else
 TORCH_SPEC ?= torch --index-url https://download.pytorch.org/whl/cpu
 endif
 
-.PHONY: help venv test demo bench lint clean distclean
+.PHONY: help venv test demo bench lint clean distclean lab extension
 
 help:
 	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
@@ -65,6 +67,23 @@ test: venv
 demo: venv
 	$(PY) scripts/run_notebook.py $(NOTEBOOK)
 
+# The JupyterLab extension. `make venv` builds it already (the package build
+# runs npm in extension/ and installs the result into the venv); this rebuilds
+# it after edits and links the venv's copy to the build, so a reload shows them.
+EXT_SRC   := $(wildcard extension/src/*.ts extension/style/*) extension/package.json extension/package-lock.json
+EXT_BUILD := monarch_nb/labextension/package.json
+EXT_LINK  := $(VENV)/share/jupyter/labextensions/monarch-nb-lab
+
+extension: $(EXT_BUILD)
+	@if [ ! -L $(EXT_LINK) ]; then rm -rf $(EXT_LINK); mkdir -p $(dir $(EXT_LINK)); \
+		ln -s $(CURDIR)/monarch_nb/labextension $(EXT_LINK); fi
+
+$(EXT_BUILD): $(EXT_SRC) | $(STAMP)
+	cd extension && npm install --no-audit --no-fund && PATH="$(abspath $(VENV))/bin:$$PATH" npm run build
+
+lab: extension
+	$(PY) -m jupyter lab notebooks/
+
 $(BENCH_STAMP): pyproject.toml $(STAMP)
 	$(PIP) install --quiet -e '.[bench]'
 	@touch $@
@@ -80,8 +99,8 @@ lint: venv
 
 clean:
 	rm -rf build dist out *.egg-info .pytest_cache .mypy_cache .ruff_cache \
-		notebooks/.ipynb_checkpoints
+		notebooks/.ipynb_checkpoints extension/lib extension/tsconfig.tsbuildinfo
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -print0 | xargs -0 rm -rf
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) extension/node_modules monarch_nb/labextension

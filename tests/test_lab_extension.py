@@ -5,7 +5,7 @@ Playwright. A notebook starts 4 ranks; the status bar shows "mesh 4/4 ranks
 the respawn; the side panel lists the ranks, its stacks button shows where
 they are, its restart button replaces a rank; ``%monarch stop`` leaves
 "mesh: none". Everything the page shows came over the comm, not from
-executing code.
+executing code. Saves the screenshot the README shows (docs/lab-extension.png).
 
 The extension is served from this checkout's build (monarch_nb/labextension,
 made by the package build: `make venv`, or `npm run build` in extension/)
@@ -35,6 +35,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.timeout(420)]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BUILD = ROOT / "monarch_nb" / "labextension"
+SCREENSHOT = ROOT / "docs" / "lab-extension.png"
 CELLS = [
     "%load_ext monarch_nb\n%monarch start -n 4 --backend cpu --no-dashboard",
     "%monarch kill 1",
@@ -172,6 +173,13 @@ def test_status_bar_and_panel(lab: tuple[str, str]) -> None:
             expect(row2.locator("td").nth(2)).to_have_text("1", timeout=60_000)
             expect(row2).to_have_attribute("data-state", re.compile("ready|busy"), timeout=60_000)
             expect(status).to_have_text("mesh 4/4 ranks · cpu", timeout=60_000)
+            news = page.locator(".jp-toast-button", has_text="No")  # "notified about news?"
+            if news.count():
+                news.first.click()
+                expect(news).to_have_count(0)
+            panel.evaluate("el => { el.scrollLeft = 0; el.scrollTop = 0; }")
+            SCREENSHOT.parent.mkdir(exist_ok=True)
+            page.screenshot(path=str(SCREENSHOT))
 
             run_cell(2)
             expect(status).to_have_text("mesh: none", timeout=60_000)

@@ -16,7 +16,7 @@ import { IStatusBar } from '@jupyterlab/statusbar';
 import { Widget } from '@lumino/widgets';
 
 import { Connector } from './connector';
-import { COLUMNS, canRestart, isAlert, panelRows, statusText } from './model';
+import { COLUMNS, COLUMN_TITLES, canRestart, isAlert, panelRows, statusText } from './model';
 
 const PANEL_ID = 'monarch-nb-mesh-panel';
 
@@ -65,11 +65,12 @@ class MeshPanel extends Widget {
     const table = document.createElement('table');
     table.className = 'mnb-lab-ranks';
     const tr = table.createTHead().insertRow();
-    for (const c of [...COLUMNS, '']) {
+    [...COLUMNS, ''].forEach((c, i) => {
       const th = document.createElement('th');
       th.textContent = c;
+      th.title = COLUMN_TITLES[i] ?? '';
       tr.appendChild(th);
-    }
+    });
     const body = table.createTBody();
     panelRows(mesh).forEach((cells, i) => {
       const rank = mesh.ranks[i];
@@ -84,7 +85,7 @@ class MeshPanel extends Widget {
       if (canRestart(mesh, rank)) {
         const button = document.createElement('button');
         button.className = 'jp-Button mnb-lab-restart';
-        button.textContent = 'restart';
+        button.textContent = '↻';
         button.title = `restart rank ${rank.rank} (mesh.restart(${rank.rank}))`;
         button.onclick = () => this.connector?.send({ action: 'restart', rank: rank.rank });
         cell.appendChild(button);

@@ -62,7 +62,15 @@ export function formatAge(hb: number | null): string {
   return hb < 10 ? `${hb.toFixed(1)} s` : `${Math.round(hb)} s`;
 }
 
-export const COLUMNS = ['rank', 'state', 'incarnation', 'restarts', 'heartbeat'];
+/** Column headers (short: the side panel is narrow); titles say them in full. */
+export const COLUMNS = ['rank', 'state', 'inc', 'restarts', 'hb'];
+export const COLUMN_TITLES = [
+  'rank',
+  'state',
+  'incarnation: 0 for the first process, +1 per respawn or restart',
+  'restarts of this rank',
+  'age of the last heartbeat from the rank'
+];
 
 /** The panel's table: one row of cell texts per rank. */
 export function panelRows(mesh: MeshSummary | null | undefined): string[][] {
