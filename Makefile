@@ -69,14 +69,15 @@ demo: venv
 
 # The JupyterLab extension. `make venv` builds it already (the package build
 # runs npm in extension/ and installs the result into the venv); this rebuilds
-# it after edits and links the venv's copy to the build, so a reload shows them.
+# it after edits and refreshes the venv's copy, so a page reload shows them. (A
+# copy, not a link: pip's uninstall would delete the build through a link.)
 EXT_SRC   := $(wildcard extension/src/*.ts extension/style/*) extension/package.json extension/package-lock.json
 EXT_BUILD := monarch_nb/labextension/package.json
-EXT_LINK  := $(VENV)/share/jupyter/labextensions/monarch-nb-lab
+EXT_COPY  := $(VENV)/share/jupyter/labextensions/monarch-nb-lab
 
 extension: $(EXT_BUILD)
-	@if [ ! -L $(EXT_LINK) ]; then rm -rf $(EXT_LINK); mkdir -p $(dir $(EXT_LINK)); \
-		ln -s $(CURDIR)/monarch_nb/labextension $(EXT_LINK); fi
+	@rm -rf $(EXT_COPY) && mkdir -p $(dir $(EXT_COPY)) && cp -r monarch_nb/labextension $(EXT_COPY) \
+		&& cp extension/install.json $(EXT_COPY)/
 
 $(EXT_BUILD): $(EXT_SRC) | $(STAMP)
 	cd extension && npm install --no-audit --no-fund && PATH="$(abspath $(VENV))/bin:$$PATH" npm run build
