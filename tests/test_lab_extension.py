@@ -2,7 +2,7 @@
 on localhost with the built extension, Debian's chromium driven headless by
 Playwright. A notebook starts 4 ranks; the status bar shows "mesh 4/4 ranks
 · cpu", goes to 3/4 (red) around ``%monarch kill 1`` and back to 4/4 after
-the respawn; the side panel lists the ranks, its stacks button shows where
+the respawn; a reloaded page finds the mesh again; the side panel lists the ranks, its stacks button shows where
 they are, its restart button replaces a rank; ``%monarch stop`` leaves
 "mesh: none". Everything the page shows came over the comm, not from
 executing code. Saves the screenshot the README shows (docs/lab-extension.png).
@@ -29,7 +29,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.test_browser import CHROMIUM, IN_CI, _free_port, _need_browser
+from .conftest import wait_for, worker_pids
+from .test_browser import CHROMIUM, IN_CI, _free_port, _need_browser
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(420)]
 
@@ -119,6 +120,7 @@ def test_status_bar_and_panel(lab: tuple[str, str]) -> None:
     from playwright.sync_api import expect, sync_playwright
 
     url, token = lab
+    before = worker_pids()
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
                                      args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
@@ -155,6 +157,11 @@ def test_status_bar_and_panel(lab: tuple[str, str]) -> None:
             expect(status).to_have_text("mesh 4/4 ranks · cpu", timeout=60_000)
             expect(status).not_to_have_class(re.compile("mnb-lab-alert"))
 
+            # a page opened after %load_ext opens the comm itself
+            page.reload(timeout=120_000)
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+            expect(status).to_have_text("mesh 4/4 ranks · cpu", timeout=60_000)
+
             status.click()  # opens the side panel
             panel = page.locator(".mnb-lab-panel")
             expect(panel.locator("tr.mnb-lab-rank")).to_have_count(4, timeout=30_000)
@@ -184,6 +191,7 @@ def test_status_bar_and_panel(lab: tuple[str, str]) -> None:
             run_cell(2)
             expect(status).to_have_text("mesh: none", timeout=60_000)
             expect(panel.locator("tr.mnb-lab-rank")).to_have_count(0)
+            wait_for(lambda: not worker_pids() - before, timeout=30, what="the ranks to exit")
         except Exception:
             page.screenshot(path=str(ROOT / "browser-failure.png"))
             outputs = page.locator(".jp-OutputArea").all_inner_texts()
