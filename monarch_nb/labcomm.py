@@ -116,7 +116,7 @@ class Hub:
             if comm not in self.comms:
                 self.comms.append(comm)
             self._force = True
-            if self.background and (self._thread is None or not self._thread.is_alive()):
+            if self.background and self._thread is None:  # (cleared under the lock on exit)
                 self._thread = threading.Thread(target=self._run, name="monarch-nb-labcomm",
                                                 daemon=True)
                 self._thread.start()
@@ -162,7 +162,11 @@ class Hub:
         return True
 
     def _run(self) -> None:
-        while self.comms:
+        while True:
+            with self._lock:  # exit and a new comm's check cannot interleave
+                if not self.comms:
+                    self._thread = None
+                    return
             try:
                 self.tick()
             except Exception:  # a mesh stopping under us: try again next tick
