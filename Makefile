@@ -3,7 +3,8 @@
 #   make demo    run notebooks/01_quickstart.ipynb headless on a local CPU mesh
 #   make lab     JupyterLab on notebooks/ (with the mesh status bar and panel)
 #   make extension  rebuild the JupyterLab extension (extension/) after edits
-#   make test    run the test suite
+#   make test    run the test suite and the example notebooks (nbval)
+#   make notebooks  re-create and re-execute notebooks/ (scripts/notebook_sources.py)
 #   make lint    ruff + mypy
 #   make bench   benchmarks (installs the `bench` extra first)
 #   make clean   caches and build output (`make distclean` also drops .venv)
@@ -21,6 +22,10 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.monarch-nb-dev.stamp
 BENCH_STAMP := $(VENV)/.monarch-nb-bench.stamp
 NOTEBOOK ?= notebooks/01_quickstart.ipynb
+# nbval: run every notebook in a kernel that is the venv's own interpreter (not
+# whatever `python3` kernelspec the machine has), compare only the cells marked
+# `# NBVAL_CHECK_OUTPUT`, with pids, timings and hex ids sanitised.
+NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg
 
 # Which torch to install into a venv that has none. A local CPU wheel wins when
 # one is on disk; otherwise PyTorch's CPU index (plain `torch` from PyPI would pull
@@ -36,7 +41,7 @@ else
 TORCH_SPEC ?= torch --index-url https://download.pytorch.org/whl/cpu
 endif
 
-.PHONY: help venv test demo bench lint clean distclean lab extension
+.PHONY: help venv test demo notebooks bench lint clean distclean lab extension
 
 help:
 	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
@@ -58,7 +63,7 @@ $(STAMP): pyproject.toml
 
 # pytest exits 5 when it collects nothing; a suite that ran no test is a failure.
 test: venv
-	@$(PY) -m pytest -q tests; rc=$$?; \
+	@$(PY) -m pytest -q tests notebooks $(NBVAL); rc=$$?; \
 	if [ $$rc -eq 5 ]; then \
 		echo "make test: pytest collected no tests (exit 5) - treating as failure" >&2; exit 1; \
 	fi; \
@@ -66,6 +71,9 @@ test: venv
 
 demo: venv
 	$(PY) scripts/run_notebook.py $(NOTEBOOK)
+
+notebooks: venv
+	$(PY) scripts/build_notebooks.py
 
 # The JupyterLab extension. `make venv` builds it already (the package build
 # runs npm in extension/ and installs the result into the venv); this rebuilds

@@ -526,10 +526,12 @@ class Controller(Inspector, Recovery):
         self._notify()
 
     def _announce(self, line: str) -> None:
-        for call in self.calls.values():
-            call.output.note(line)
+        # once per cell: a re-issued elastic call shares its cell's output
+        for output in {id(c.output): c.output for c in self.calls.values()}.values():
+            output.note(line)
         if self.announce is not None:
             self.announce(line)
+
     def _died(self, info: RankInfo) -> RankDied:
         return RankDied(info.rank, info.exitcode if (info.exitcode or 0) >= 0 else None,
                         signal_name(info.exitcode), tuple(self.supervisor.tail(info.rank, 8)),

@@ -138,6 +138,24 @@ class MembershipChanged(MonarchError):
         return (MembershipChanged, (self.rank, self.dead, self.detail))
 
 
+# Where an interrupted rank stood, as the worker reports it (file paths of
+# the innermost frames): inside torch.distributed or a DDP backward, the
+# collective it left is still pending in the backend, and the next one would
+# pair with it, so the group is out of step until it is formed anew.
+_COLLECTIVE_PATHS = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
+
+
+def collective_hint(where: Mapping[int, str]) -> str:
+    """What to do when interrupted ranks were inside a collective ("" if none was)."""
+    ranks = [r for r, w in where.items() if any(p in w.replace("\\", "/") for p in _COLLECTIVE_PATHS)]
+    if not ranks:
+        return ""
+    return (f"rank(s) {format_ranks(ranks)} were interrupted inside a torch.distributed "
+            "collective: the group is out of step and the next collective may hang. Re-form it "
+            "with %monarch restart all (mesh.restart('all'); variables on the ranks are lost, "
+            "--setup cells are replayed).")
+
+
 class CallTimeout(MonarchError):
     """A call did not finish within its timeout; the ranks still running were
     interrupted. ``where`` maps each of them to where its main thread was."""
@@ -145,10 +163,13 @@ class CallTimeout(MonarchError):
     def __init__(self, timeout: float, where: Mapping[int, str]) -> None:
         self.timeout = timeout
         self.where = dict(where)
+        hint = collective_hint(self.where)
         lines = [f"call did not finish within {timeout:g} s; interrupted rank(s) "
-                 f"{format_ranks(self.where)} (they stay usable)"]
+                 f"{format_ranks(self.where)}" + ("" if hint else " (they stay usable)")]
         for rank in sorted(self.where):
             lines.append(f"  rank {rank} was at {self.where[rank]}")
+        if hint:
+            lines.append(hint)
         super().__init__("\n".join(lines))
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -185,10 +185,13 @@ MetricsOf = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 def metrics_of(row: dict[str, Any]) -> dict[str, Any]:
-    """The metrics of a ``mesh.status()`` row: its ``"metrics"`` entry, which
-    ``mnb.log`` fills (metrics.py); empty until then."""
-    value = row.get("metrics")
-    return value if isinstance(value, dict) else {}
+    """The ``mnb.log`` figures of a ``mesh.status()`` row: the last value of
+    each metric (``"last"``) and the last step; empty until a rank logs."""
+    last = row.get("last")
+    out = dict(last) if isinstance(last, dict) else {}
+    if row.get("step") is not None:
+        out["step"] = row["step"]
+    return out
 
 
 class Terminal:

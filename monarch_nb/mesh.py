@@ -20,6 +20,7 @@ import ast
 import concurrent.futures
 import itertools
 import signal as signal_mod
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
@@ -29,7 +30,15 @@ from . import backends, launchers, serialize
 from .config import MeshConfig, check_hang_timeout
 from .controller import Controller, Event, RankInfo, RankState
 from .debug import post_mortem as _post_mortem
-from .errors import CallTimeout, MeshNotRunning, MonarchError, RankErrors, RemoteError, UsageError
+from .errors import (
+    CallTimeout,
+    MeshNotRunning,
+    MonarchError,
+    RankErrors,
+    RemoteError,
+    UsageError,
+    collective_hint,
+)
 from .futures import MeshFuture
 from .inspector import STACKS_TIMEOUT_S
 from .metricstore import health_fields
@@ -284,8 +293,8 @@ class Mesh(_RankSet):
     def status(self) -> list[dict[str, Any]]:
         """One dict per rank: state, pid, incarnation, device, heartbeat age,
         exit, restarts, host, health (cpu %, rss bytes; GPU memory used /
-        total / peak bytes, util %, temp °C, power W: None = n/a), steps/s
-        and the last value of each ``mnb.log`` metric."""
+        total / peak bytes, util %, temp °C, power W: None = n/a), steps/s,
+        the last ``mnb.log`` step and the last value of each metric."""
         now = time.monotonic()
         rows = []
         store = self._ctl.metrics
@@ -298,7 +307,8 @@ class Mesh(_RankSet):
                 if info.state in (RankState.DEAD, RankState.FAILED) else "",
                 "restarts": info.incarnation, "host": info.host,
                 **health_fields(info.health),
-                "steps_per_s": store.steps_per_s(info.rank, now), "last": store.last(info.rank),
+                "steps_per_s": store.steps_per_s(info.rank, now), "step": store.last_step(info.rank),
+                "last": store.last(info.rank),
             })
         return rows
 
@@ -367,7 +377,7 @@ class Mesh(_RankSet):
             return fut.result()
         except KeyboardInterrupt:
             if issued:  # interrupt this call, never some other one
-                self._interrupt_and_settle(issued[0])
+                _warn_collective(self._interrupt_and_settle(issued[0]))
             raise
 
     def wait(self, future: MeshFuture, timeout: float | None = None) -> RankResults:
@@ -377,7 +387,7 @@ class Mesh(_RankSet):
             if not self._ctl.wait(future, timeout):
                 raise concurrent.futures.TimeoutError(f"call still running after {timeout} s")
         except KeyboardInterrupt:
-            self._interrupt_and_settle(future)
+            _warn_collective(self._interrupt_and_settle(future))
             raise
         return future.result()
 
@@ -409,6 +419,12 @@ class Mesh(_RankSet):
 
 
 _live_meshes: set[Mesh] = set()
+
+
+def _warn_collective(where: dict[int, str]) -> None:
+    hint = collective_hint(where)
+    if hint:
+        print(f"monarch_nb: {hint}", file=sys.stderr)
 
 
 def _call_payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:

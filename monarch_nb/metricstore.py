@@ -175,6 +175,11 @@ class MetricsStore:
         with self._lock:
             return dict(self._last[rank])
 
+    def last_step(self, rank: int) -> int | None:
+        """The highest step ``rank`` logged (None before its first point)."""
+        with self._lock:
+            return self._last_step[rank]
+
     def steps_per_s(self, rank: int, now: float | None = None) -> float | None:
         """Steps per second over the last ``RATE_WINDOW_S`` (None before two
         batches arrived; 0 once the rank stopped logging)."""

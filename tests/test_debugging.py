@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from monarch_nb import Mesh, UsageError
+from monarch_nb import CallTimeout, Mesh, UsageError
 from monarch_nb.output import CallOutput
 
 from .conftest import wait_for
@@ -77,6 +77,20 @@ def test_stacks_of_a_deadlocked_group_and_stop(mesh3: Mesh) -> None:
     assert fut.done()
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_timeout_inside_a_collective_says_how_to_reform_the_group(mesh3: Mesh) -> None:
+    skip = ("import torch, torch.distributed as dist, monarch_nb as mnb\n"
+            "x = torch.ones(1)\nif mnb.rank() != 1:\n    dist.all_reduce(x)\nx.item()")
+    with pytest.raises(CallTimeout) as info:
+        mesh3.exec(skip, timeout=3)
+    text = str(info.value)
+    assert "stay usable" not in text.splitlines()[0]
+    assert "rank(s) 0,2 were interrupted inside a torch.distributed collective" in text
+    # what the message says to do works: the group is in step again
+    mesh3.restart("all")
+    assert mesh3.exec("import torch, torch.distributed as dist\nx = torch.ones(1)\n"
+                      "dist.all_reduce(x)\nx.item()", timeout=60) == dict.fromkeys(range(3), 3.0)
 
 
 def test_hang_watchdog_prints_grouped_stacks_once(mesh3: Mesh) -> None:

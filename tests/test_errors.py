@@ -17,6 +17,7 @@ from monarch_nb.errors import (
     RankErrors,
     RemoteError,
     UsageError,
+    collective_hint,
 )
 from monarch_nb.selection import SpecError
 
@@ -185,6 +186,18 @@ def test_call_timeout_lists_ranks_and_where():
 def test_call_timeout_formats_whole_seconds():
     assert "within 10 s" in str(CallTimeout(10.0, {1: "x"}))
     assert "rank(s) 1,3" in str(CallTimeout(1, {1: "x", 3: "y"}))
+
+
+def test_call_timeout_inside_a_collective_says_how_to_reform():
+    c10d = ("/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py line 3252 "
+            "in all_reduce: work.wait() <- <mnb-cell-2> line 2 in <module>")
+    err = CallTimeout(3, {0: c10d, 1: c10d, 2: "<mnb-cell-2> line 5 in <module>"})
+    lines = str(err).splitlines()
+    assert "stay usable" not in lines[0]
+    assert lines[-1].startswith("rank(s) 0,1 were interrupted inside a torch.distributed collective")
+    assert "%monarch restart all" in lines[-1]
+    assert collective_hint({0: "C:\\py\\torch\\nn\\parallel\\distributed.py line 9"}).startswith("rank(s) 0 ")
+    assert collective_hint({0: "train.py:3 in step"}) == ""
 
 
 # -- RankErrors ---------------------------------------------------------------

@@ -80,8 +80,8 @@ def test_exit_codes_and_retry_rules() -> None:
     assert retryable(RemoteError(0, "RuntimeError", "Connection closed by peer"), "rank")
     assert not retryable(RemoteError(0, "ValueError", "bad"), "rank")
     assert not retryable(RankDied(1, None, "SIGKILL"), "off")
-    assert metrics_of({"metrics": {"loss": 0.5}}) == {"loss": 0.5}
-    assert metrics_of({"rank": 0}) == {}
+    assert metrics_of({"last": {"loss": 0.5}, "step": 7}) == {"loss": 0.5, "step": 7}
+    assert metrics_of({"rank": 0, "last": {}, "step": None}) == {}
 
 
 def test_user_traceback_hides_the_launch_machinery() -> None:
@@ -250,7 +250,9 @@ def test_live_status_on_a_terminal(tmp_path: Path) -> None:
     import pty
 
     script = tmp_path / "slow.py"
-    script.write_text("import time\nfor i in range(4):\n    print('tick', i)\n    time.sleep(0.4)\n")
+    script.write_text("import time\nimport monarch_nb as mnb\nfor i in range(6):\n"
+                      "    print('tick', i)\n    mnb.log(step=i, loss=1.1111 * (i + 1))\n"
+                      "    time.sleep(0.4)\n")
     master, slave = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "monarch_nb.launch", "--backend", "cpu",
                              "-n", "2", str(script)], stdin=subprocess.DEVNULL, stdout=slave,
@@ -273,4 +275,7 @@ def test_live_status_on_a_terminal(tmp_path: Path) -> None:
     assert proc.returncode == 0, text
     # rich drew the per-rank table (its header) and the rank output still came through
     assert "heartbeat" in text and "loss" in text
-    assert "tick 3" in text and "all 2 rank(s) finished" in text
+    # mnb.log in a launched script reaches the table: a loss value of the
+    # form 1.1111*(i+1) (rich redraws, so whichever steps were drawn)
+    assert any(f"{1.1111 * (i + 1):.4g}" in text for i in range(1, 6)), text[-2000:]
+    assert "tick 5" in text and "all 2 rank(s) finished" in text
