@@ -18,9 +18,12 @@ Who opens the comm. Both sides can, so that every order of events works:
   the kernel's log); the kernel's own open at ``%load_ext`` then reaches
   the page. No retry loop, no polling.
 
-A comm the kernel opened is fed only after the extension answered
-``{"action": "hello"}`` on it, so front ends without the extension
-(nbclient, VS Code, the classic notebook) get no traffic.
+A comm the kernel opened gets the summary whenever it changes, at once
+(the page's answer, ``{"action": "hello"}``, is only read when the kernel is
+idle, and a Run All may keep it busy for hours); the once-a-second refresh
+of heartbeat ages goes only to comms that said hello. So a front end without
+the extension (nbclient, VS Code) gets a message per change of the mesh and
+nothing while it is steady.
 
 What goes over it (kernel -> front end), JSON:
 
@@ -91,7 +94,8 @@ class Hub:
                  background: bool = True) -> None:
         self.source = source  # -> the mesh to show (running or last stopped) or None
         self.background = background  # False: the caller ticks (tests)
-        self.comms: list[Any] = []
+        self.comms: list[Any] = []  # fed on change
+        self.confirmed: list[Any] = []  # said hello: also fed the periodic refresh
         self.throttle = Throttle(max_hz)
         self.sent = 0  # summaries pushed (tests)
         self._last: Any = object()
@@ -103,18 +107,18 @@ class Hub:
 
     # -- comms -------------------------------------------------------------------
     def add(self, comm: Any, confirmed: bool = True) -> None:
-        """Track ``comm``; an unconfirmed one (opened by us) is fed only once
-        the extension said hello on it, so front ends without the extension
-        (nbclient, VS Code) get no traffic."""
+        """Feed ``comm``; an unconfirmed one (opened by us) gets only changes
+        until the extension says hello on it."""
         comm.on_msg(lambda msg: self._on_msg(comm, msg))
         comm.on_close(lambda _msg: self._drop(comm))
-        if confirmed:
-            self._confirm(comm)
+        self._confirm(comm, confirmed)
 
-    def _confirm(self, comm: Any) -> None:
+    def _confirm(self, comm: Any, confirmed: bool = True) -> None:
         with self._lock:
             if comm not in self.comms:
                 self.comms.append(comm)
+            if confirmed and comm not in self.confirmed:
+                self.confirmed.append(comm)
             self._force = True
             if self.background and self._thread is None:  # (cleared under the lock on exit)
                 self._thread = threading.Thread(target=self._run, name="monarch-nb-labcomm",
@@ -124,8 +128,9 @@ class Hub:
 
     def _drop(self, comm: Any) -> None:
         with self._lock:
-            if comm in self.comms:
-                self.comms.remove(comm)
+            for group in (self.comms, self.confirmed):
+                if comm in group:
+                    group.remove(comm)
 
     def _send(self, data: dict[str, Any], to: list[Any] | None = None) -> None:
         for comm in list(self.comms if to is None else to):
@@ -150,14 +155,15 @@ class Hub:
         msg = self.message()
         coarse = _coarse(msg)
         running = bool(msg["mesh"]) and msg["mesh"]["state"] == "running"
-        due = running and now - self._last_at >= REFRESH_S
-        if not (self._force or due or coarse != self._last):
+        changed = self._force or coarse != self._last
+        due = running and now - self._last_at >= REFRESH_S and bool(self.confirmed)
+        if not (changed or due):
             return False
         if not self.throttle.take(now):
             return False
         self._force = False
         self._last, self._last_at = coarse, now
-        self._send(msg)
+        self._send(msg, None if changed else self.confirmed)
         self.sent += 1
         return True
 

@@ -2,7 +2,7 @@
 on localhost with the built extension, Debian's chromium driven headless by
 Playwright. A notebook starts 4 ranks; the status bar shows "mesh 4/4 ranks
 · cpu", goes to 3/4 (red) around ``%monarch kill 1`` and back to 4/4 after
-the respawn; a reloaded page finds the mesh again; the side panel lists the ranks, its stacks button shows where
+the respawn, all while a cell keeps the kernel busy; a reloaded page finds the mesh again; the side panel lists the ranks, its stacks button shows where
 they are, its restart button replaces a rank; ``%monarch stop`` leaves
 "mesh: none". Everything the page shows came over the comm, not from
 executing code. Saves the screenshot the README shows (docs/lab-extension.png).
@@ -39,7 +39,15 @@ BUILD = ROOT / "monarch_nb" / "labextension"
 SCREENSHOT = ROOT / "docs" / "lab-extension.png"
 CELLS = [
     "%load_ext monarch_nb\n%monarch start -n 4 --backend cpu --no-dashboard",
-    "%monarch kill 1",
+    # a busy kernel: the kill and the end of the cell wait for the test's go
+    "import os, time\n"
+    "def wait_for_go(name):\n"
+    "    t0 = time.monotonic()\n"
+    "    while not os.path.exists(os.path.join(GO, name)) and time.monotonic() - t0 < 120:\n"
+    "        time.sleep(0.05)\n"
+    "wait_for_go('kill')\n"
+    "%monarch kill 1\n"
+    "wait_for_go('end')",
     "%monarch stop",
 ]
 # Every text the status item shows, recorded in the page as it changes (a
@@ -64,12 +72,13 @@ def _need_build() -> None:
 
 
 @pytest.fixture
-def lab(tmp_path: pathlib.Path) -> Iterator[tuple[str, str]]:
+def lab(tmp_path: pathlib.Path) -> Iterator[tuple[str, str, pathlib.Path]]:
     _need_browser()
     _need_build()
     nb = {
         "cells": [{"cell_type": "code", "metadata": {}, "source": c, "outputs": [],
-                   "execution_count": None} for c in CELLS],
+                   "execution_count": None}
+                  for c in (c.replace("GO", repr(str(tmp_path))) for c in CELLS)],
         "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
                                     "language": "python"}},
         "nbformat": 4, "nbformat_minor": 5,
@@ -105,7 +114,7 @@ def lab(tmp_path: pathlib.Path) -> Iterator[tuple[str, str]]:
             except OSError:
                 assert time.monotonic() < deadline, "JupyterLab did not start in 90 s"
                 time.sleep(0.25)
-        yield url, token
+        yield url, token, tmp_path
     finally:
         proc.terminate()  # the kernel goes with the server; its ranks with the kernel
         try:
@@ -116,10 +125,10 @@ def lab(tmp_path: pathlib.Path) -> Iterator[tuple[str, str]]:
         log.close()
 
 
-def test_status_bar_and_panel(lab: tuple[str, str]) -> None:
+def test_status_bar_and_panel(lab: tuple[str, str, pathlib.Path]) -> None:
     from playwright.sync_api import expect, sync_playwright
 
-    url, token = lab
+    url, token, go = lab
     before = worker_pids()
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
@@ -146,16 +155,23 @@ def test_status_bar_and_panel(lab: tuple[str, str]) -> None:
             expect(status).to_be_hidden()  # no monarch_nb in the kernel yet
             page.evaluate(RECORD)
 
+            # cell 1 keeps the kernel busy throughout: the page's own comm
+            # requests wait behind it, the status bar must not
             run_cell(0)
+            run_cell(1)
             expect(status).to_have_text("mesh 4/4 ranks · cpu", timeout=180_000)
             expect(status).not_to_have_class(re.compile("mnb-lab-alert"))
-
-            run_cell(1)  # %monarch kill 1: down, red, then respawned
+            (go / "kill").touch()  # %monarch kill 1: down and red, then respawned
             page.wait_for_function(
                 "() => window.__mnbSeen.some(([t, red]) => t === 'mesh 3/4 ranks · cpu' && red)",
                 timeout=60_000)
             expect(status).to_have_text("mesh 4/4 ranks · cpu", timeout=60_000)
             expect(status).not_to_have_class(re.compile("mnb-lab-alert"))
+            assert page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext"
+                                 ".session.kernel.status") == "busy"
+            (go / "end").touch()
+            page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(
+                timeout=60_000)
 
             # a page opened after %load_ext opens the comm itself
             page.reload(timeout=120_000)
@@ -195,7 +211,9 @@ def test_status_bar_and_panel(lab: tuple[str, str]) -> None:
         except Exception:
             page.screenshot(path=str(ROOT / "browser-failure.png"))
             outputs = page.locator(".jp-OutputArea").all_inner_texts()
-            print("outputs:", outputs, "\nconsole:\n" + "\n".join(console[-40:]))
+            seen = page.evaluate("() => window.__mnbSeen")
+            print("outputs:", outputs, "\nstatus texts seen:", seen,
+                  "\nconsole:\n" + "\n".join(console[-40:]))
             raise
         finally:
             browser.close()

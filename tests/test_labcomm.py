@@ -67,30 +67,37 @@ class _Mesh:
 def test_hub_sends_on_change_at_most_max_hz() -> None:
     mesh = _Mesh()
     hub = Hub(lambda: mesh, max_hz=4.0, background=False)
-    comm = _Comm()
-    hub.add(comm, confirmed=False)  # kernel-opened: nothing until hello
-    assert hub.comms == []
-    comm.msg({"content": {"data": {"action": "hello"}}})
-    assert hub.comms == [comm]
+    quiet = _Comm()
+    hub.add(quiet, confirmed=False)  # kernel-opened, never answered (nbclient, VS Code)
     t = 1000.0
-    assert hub.tick(t)  # asked for: the first summary
-    assert not hub.tick(t + 0.5)  # nothing changed, not due
+    assert hub.tick(t)  # the first summary
+    assert not hub.tick(t + 0.5)  # nothing changed
     mesh.rows[1]["heartbeat_age"] = 0.7  # a heartbeat's decimals are no change
     assert not hub.tick(t + 0.6)
+    assert not hub.tick(t + 1.5)  # steady: no refresh for a comm that never said hello
     mesh.rows[1] = _row(1, "dead", None)
-    assert hub.tick(t + 0.7)  # changed (and 0.7 s after the last: the throttle allows)
-    assert hub.sent == 2
+    assert hub.tick(t + 1.6)  # a change goes to every comm at once
+    page = _Comm()
+    hub.add(page)  # a page opened a comm: it gets a summary now
+    assert not hub.tick(t + 1.7)  # ... once the throttle allows (1/4 s apart)
+    assert hub.tick(t + 1.9)
     mesh.rows[1] = _row(1, "ready", inc=1)
-    assert not hub.tick(t + 0.8)  # changed, throttled (0.1 s after the last)
-    assert hub.tick(t + 0.95)
-    assert not hub.tick(t + 1.5)
-    assert hub.tick(t + 2.0)  # due: fresh heartbeat ages once a second while running
+    assert not hub.tick(t + 2.0)  # changed, throttled
+    assert hub.tick(t + 2.15)
+    assert not hub.tick(t + 2.5)
+    assert hub.tick(t + 3.2)  # due: fresh heartbeat ages once a second, to the page only
     mesh.running = False
-    assert hub.tick(t + 2.3)
-    assert not hub.tick(t + 5.0)  # stopped and unchanged: quiet
-    summaries = [m["mesh"] for m in comm.sent if m["t"] == "mesh"]
-    assert [s["up"] for s in summaries] == [2, 1, 2, 2, 0]
-    assert summaries[-1]["state"] == "stopped"
+    assert hub.tick(t + 3.5)
+    assert not hub.tick(t + 6.0)  # stopped and unchanged: quiet
+
+    def ups(comm: _Comm) -> list[int]:
+        return [m["mesh"]["up"] for m in comm.sent if m["t"] == "mesh"]
+
+    assert ups(quiet) == [2, 1, 1, 2, 0]
+    assert ups(page) == [1, 2, 2, 0]
+    assert page.sent[-1]["mesh"]["state"] == "stopped"
+    quiet.msg({"content": {"data": {"action": "hello"}}})  # the extension answered after all
+    assert hub.confirmed == [quiet, page] or hub.confirmed == [page, quiet]
 
 
 # -- the comm in a real kernel ---------------------------------------------------------
@@ -192,5 +199,6 @@ def test_comm_feeds_the_mesh_and_answers_requests(ks: KernelSession) -> None:
     assert _run(ks, "%monarch stop") == "ok"
     wait_for(lambda: _latest_mesh(ks, cid) is None, timeout=30, what="'no mesh' again")
 
-    # the comm the kernel opened was never said hello to: no traffic on it
-    assert _data(ks, kernel_comm) == []
+    # the comm the kernel opened (never said hello to here) got the changes too
+    quiet = [d["mesh"] for d in _data(ks, kernel_comm) if d.get("t") == "mesh"]
+    assert any(m and m["up"] == 2 for m in quiet) and quiet[-1] is None, quiet
