@@ -1,6 +1,8 @@
 # monarch_nb developer tasks. GNU make.
 #
 #   make demo    run notebooks/01_quickstart.ipynb headless on a local CPU mesh
+#   make lab     JupyterLab on notebooks/ (with the mesh status bar and panel)
+#   make extension  rebuild the JupyterLab extension (extension/) after edits
 #   make test    run the test suite and the example notebooks (nbval)
 #   make notebooks  re-create and re-execute notebooks/ (scripts/notebook_sources.py)
 #   make lint    ruff + mypy
@@ -39,7 +41,7 @@ else
 TORCH_SPEC ?= torch --index-url https://download.pytorch.org/whl/cpu
 endif
 
-.PHONY: help venv test demo notebooks bench lint clean distclean
+.PHONY: help venv test demo notebooks bench lint clean distclean lab extension
 
 help:
 	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
@@ -73,6 +75,24 @@ demo: venv
 notebooks: venv
 	$(PY) scripts/build_notebooks.py
 
+# The JupyterLab extension. `make venv` builds it already (the package build
+# runs npm in extension/ and installs the result into the venv); this rebuilds
+# it after edits and refreshes the venv's copy, so a page reload shows them. (A
+# copy, not a link: pip's uninstall would delete the build through a link.)
+EXT_SRC   := $(wildcard extension/src/*.ts extension/style/*) extension/package.json extension/package-lock.json
+EXT_BUILD := monarch_nb/labextension/package.json
+EXT_COPY  := $(VENV)/share/jupyter/labextensions/monarch-nb-lab
+
+extension: $(EXT_BUILD)
+	@rm -rf $(EXT_COPY) && mkdir -p $(dir $(EXT_COPY)) && cp -r monarch_nb/labextension $(EXT_COPY) \
+		&& cp extension/install.json $(EXT_COPY)/
+
+$(EXT_BUILD): $(EXT_SRC) | $(STAMP)
+	cd extension && npm install --no-audit --no-fund && PATH="$(abspath $(VENV))/bin:$$PATH" npm run build
+
+lab: extension
+	$(PY) -m jupyter lab notebooks/
+
 $(BENCH_STAMP): pyproject.toml $(STAMP)
 	$(PIP) install --quiet -e '.[bench]'
 	@touch $@
@@ -88,8 +108,8 @@ lint: venv
 
 clean:
 	rm -rf build dist out *.egg-info .pytest_cache .mypy_cache .ruff_cache \
-		notebooks/.ipynb_checkpoints
+		notebooks/.ipynb_checkpoints extension/lib extension/tsconfig.tsbuildinfo
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -print0 | xargs -0 rm -rf
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) extension/node_modules monarch_nb/labextension

@@ -340,10 +340,16 @@ def load(ipython: Any) -> None:
     magics = MonarchMagics(ipython)
     ipython.register_magics(magics)
     _loaded[id(ipython)] = magics
+    from .labcomm import attach  # the JupyterLab extension's feed (no-op outside ipykernel)
+
+    attach(ipython, lambda: magics.mesh)
 
 
 def unload(ipython: Any) -> None:
     magics = _loaded.pop(id(ipython), None)
+    from .labcomm import detach
+
+    detach(ipython)
     if magics is not None and magics.mesh is not None:
         magics.mesh.stop()
 
