@@ -342,7 +342,18 @@ def load(ipython: Any) -> None:
     _loaded[id(ipython)] = magics
     from .labcomm import attach  # the JupyterLab extension's feed (no-op outside ipykernel)
 
-    attach(ipython, lambda: magics.mesh)
+    attach(ipython, lambda: _shown_mesh(magics))
+
+
+def _shown_mesh(magics: MonarchMagics) -> Mesh | None:
+    """What the extension shows: the mesh %monarch started, else one started
+    with the Python API in this kernel (the newest running)."""
+    if magics.mesh is not None and magics.mesh.running:
+        return magics.mesh
+    try:
+        return Mesh.current()
+    except MeshNotRunning:
+        return None
 
 
 def unload(ipython: Any) -> None:

@@ -198,6 +198,12 @@ def test_comm_feeds_the_mesh_and_answers_requests(ks: KernelSession) -> None:
              what="the second mesh")
     assert _run(ks, "%monarch stop") == "ok"
     wait_for(lambda: _latest_mesh(ks, cid) is None, timeout=30, what="'no mesh' again")
+    # a mesh started with the Python API in this kernel is shown as well
+    assert _run(ks, "import monarch_nb\n_api = monarch_nb.Mesh.start(n=2, backend='cpu')") == "ok"
+    wait_for(lambda: (_latest_mesh(ks, cid) or {}).get("up") == 2, timeout=60,
+             what="the Python API's mesh")
+    assert _run(ks, "_api.stop()") == "ok"
+    wait_for(lambda: _latest_mesh(ks, cid) is None, timeout=30, what="'no mesh' after _api.stop()")
 
     # the comm the kernel opened (never said hello to here) got the changes too
     quiet = [d["mesh"] for d in _data(ks, kernel_comm) if d.get("t") == "mesh"]
