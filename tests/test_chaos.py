@@ -138,6 +138,20 @@ def test_a_kill_during_respawn_is_survived(tmp_path) -> None:
                          "x = torch.ones(1)\ndist.all_reduce(x)\nx.item()") == {0: 2.0, 1: 2.0}
 
 
+def test_respawn_all_replaces_every_rank_after_one_death() -> None:
+    with Mesh.start(n=3, backend="cpu", respawn="all") as mesh:
+        pids = {r["rank"]: r["pid"] for r in mesh.status()}
+        mesh.kill(1)
+        wait_for(lambda: all(_back(mesh, r, 1) for r in range(3)), timeout=90,
+                 what="every rank replaced")
+        assert all(r["pid"] != pids[r["rank"]] for r in mesh.status())
+        assert mesh.run(mnb.incarnation) == dict.fromkeys(range(3), 1)
+        respawned = sorted(e["rank"] for e in mesh.events if e["kind"] == "respawned")
+        assert respawned == [0, 1, 2], mesh.events
+        assert mesh.exec("import torch, torch.distributed as dist\n"
+                         "x = torch.ones(1)\ndist.all_reduce(x)\nx.item()") == dict.fromkeys(range(3), 3.0)
+
+
 def test_random_faults_are_reproducible() -> None:
     a = chaos.Random(seed=3, rate=0.5)
     b = chaos.Random(seed=3, rate=0.5)
