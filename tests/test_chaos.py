@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 import monarch_nb as mnb
-from monarch_nb import Mesh, MembershipChanged, RankDied, RankErrors, chaos
+from monarch_nb import MembershipChanged, Mesh, RankDied, RankErrors, chaos
 
 from .conftest import wait_for
 
@@ -60,7 +60,7 @@ def test_death_mid_collective_from_a_timer(mesh3: Mesh) -> None:
     assert all(isinstance(info.value.errors[r], MembershipChanged) for r in (1, 2))
     wait_for(lambda: _back(mesh3, 0, before + 1), timeout=60, what="rank 0 back")
     assert mesh3.exec("import torch, torch.distributed as dist\n"
-                      "x = torch.ones(1)\ndist.all_reduce(x)\nx.item()") == {r: 3.0 for r in range(3)}
+                      "x = torch.ones(1)\ndist.all_reduce(x)\nx.item()") == dict.fromkeys(range(3), 3.0)
 
 
 def test_death_at_a_chosen_step_only_in_the_first_incarnation(mesh3: Mesh) -> None:
