@@ -101,8 +101,10 @@ class CallOutput:
             self.flush(force=False, now=float("inf"))
 
     def note(self, text: str, stream: str = "stderr") -> None:
-        """A line of its own (events, warnings), after pending rank output."""
-        self.flush(force=True)
+        """A line of its own (events, warnings), after pending rank output.
+        An unfinished line younger than ``FOLD_S`` is not cut by it: its rest
+        usually follows within milliseconds (print() writes in pieces)."""
+        self.flush(force=True, partial_age=FOLD_S)
         self.emit(stream, text if text.endswith("\n") else text + "\n")
 
     @property
@@ -115,7 +117,10 @@ class CallOutput:
         self._partial_since.pop((stream, rank), None)
         return self._partial.pop((stream, rank), "")
 
-    def flush(self, force: bool = False, now: float | None = None) -> None:
+    def flush(self, force: bool = False, now: float | None = None,
+              partial_age: float = 0.0) -> None:
+        """Emit what is due. ``force``: all complete lines, and unfinished
+        ones at least ``partial_age`` old; otherwise those wait ``PARTIAL_S``."""
         now = time.monotonic() if now is None else now
         if self._oldest is not None and (force or now - self._oldest >= FOLD_S):
             lines, self._lines, self._oldest = self._lines, {}, None
@@ -123,7 +128,8 @@ class CallOutput:
                 self.emit(stream, render(by_rank))
         if not self._partial:
             return
-        due = [k for k, since in self._partial_since.items() if force or now - since >= PARTIAL_S]
+        due = [k for k, since in self._partial_since.items()
+               if now - since >= (partial_age if force else PARTIAL_S)]
         if due and self._oldest is not None:
             # a rank's partial line must never overtake its earlier complete lines
             lines, self._lines, self._oldest = self._lines, {}, None

@@ -257,6 +257,17 @@ def test_note_flushes_pending_output_first(out, sink):
     assert not out.pending
 
 
+def test_note_does_not_cut_a_line_that_is_still_arriving(out, sink):
+    import time
+
+    out.feed(1, "stdout", "rank", now=time.monotonic())  # print() writes in pieces
+    out.note("rank 0 ready")
+    out.feed(1, "stdout", " 1 sum 2.0\n")
+    out.flush(force=True)
+    assert sink.lines("stdout") == ["[1] rank 1 sum 2.0"]
+    assert sink.lines("stderr") == ["rank 0 ready"]
+
+
 def test_note_stream_and_newline(out, sink):
     out.note("already terminated\n", stream="stdout")
     assert sink.calls == [("stdout", "already terminated\n")]
