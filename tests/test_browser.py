@@ -9,26 +9,17 @@ in CI (``CI=true``) it runs, and fails if it cannot.
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import secrets
-import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
+from .lab_util import CHROMIUM, CHROMIUM_ARGS, ROOT, jupyter_lab, need_browser
+
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(420)]
 
-CHROMIUM = "/usr/bin/chromium"
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCREENSHOT = ROOT / "docs" / "dashboard.png"
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 CELLS = [
     "%load_ext monarch_nb\n%monarch start -n 4 --backend cpu",
@@ -42,73 +33,12 @@ CELLS = [
 ]
 
 
-def _need_browser() -> None:
-    missing = []
-    if not os.path.exists(CHROMIUM):
-        missing.append(f"{CHROMIUM} (apt-get install chromium)")
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        missing.append("playwright (pip install playwright)")
-    if shutil.which("jupyter-lab", path=os.path.dirname(sys.executable)) is None:
-        missing.append("jupyterlab (pip install jupyterlab)")
-    if missing and not IN_CI:
-        pytest.skip("browser test needs " + ", ".join(missing))
-    assert not missing, "in CI the browser test must run; missing: " + ", ".join(missing)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def lab(tmp_path: pathlib.Path) -> Iterator[tuple[str, str]]:
-    """A JupyterLab server on localhost serving ``tmp_path``; yields (url, token)."""
-    _need_browser()
-    nb = {
-        "cells": [{"cell_type": "code", "metadata": {}, "source": c, "outputs": [],
-                   "execution_count": None} for c in CELLS],
-        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                    "language": "python"}},
-        "nbformat": 4, "nbformat_minor": 5,
-    }
-    root = tmp_path / "nb"
-    root.mkdir()
-    (root / "dashboard.ipynb").write_text(json.dumps(nb))
-    port, token = _free_port(), secrets.token_hex(16)
-    env = dict(os.environ)
-    for var in ("JUPYTER_CONFIG_DIR", "JUPYTER_RUNTIME_DIR"):  # no user settings or workspaces
-        env[var] = str(tmp_path / var.lower())
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    log = open(tmp_path / "lab.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
-         f"--port={port}", "--ip=127.0.0.1", f"--ServerApp.token={token}",
-         f"--ServerApp.root_dir={root}", "--LabApp.news_url=", "--LabApp.expose_app_in_browser=True",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, (tmp_path / "lab.log").read_text()[-3000:]
-            try:
-                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "JupyterLab did not start in 90 s"
-                time.sleep(0.25)
-        yield url, token
-    finally:
-        proc.terminate()  # the kernel goes with the server; its ranks with the kernel
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    """A JupyterLab server on localhost with the notebook; yields (url, token)."""
+    need_browser()
+    with jupyter_lab(tmp_path, "dashboard.ipynb", CELLS) as server:
+        yield server
 
 
 def test_dashboard_in_jupyterlab(lab: tuple[str, str]) -> None:
@@ -116,8 +46,7 @@ def test_dashboard_in_jupyterlab(lab: tuple[str, str]) -> None:
 
     url, token = lab
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                     args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
             console: list[str] = []

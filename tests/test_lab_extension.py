@@ -16,25 +16,18 @@ missing; in CI (``CI=true``) it runs, and fails if it cannot.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
-import secrets
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
 from .conftest import wait_for, worker_pids
-from .test_browser import CHROMIUM, IN_CI, _free_port, _need_browser
+from .lab_util import CHROMIUM, CHROMIUM_ARGS, IN_CI, ROOT, jupyter_lab, need_browser
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(420)]
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 BUILD = ROOT / "monarch_nb" / "labextension"
 SCREENSHOT = ROOT / "docs" / "lab-extension.png"
 CELLS = [
@@ -73,56 +66,15 @@ def _need_build() -> None:
 
 @pytest.fixture
 def lab(tmp_path: pathlib.Path) -> Iterator[tuple[str, str, pathlib.Path]]:
-    _need_browser()
+    need_browser()
     _need_build()
-    nb = {
-        "cells": [{"cell_type": "code", "metadata": {}, "source": c, "outputs": [],
-                   "execution_count": None}
-                  for c in (c.replace("GO", repr(str(tmp_path))) for c in CELLS)],
-        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                    "language": "python"}},
-        "nbformat": 4, "nbformat_minor": 5,
-    }
-    root = tmp_path / "nb"
-    root.mkdir()
-    (root / "mesh.ipynb").write_text(json.dumps(nb))
     data = tmp_path / "data" / "labextensions"
     data.mkdir(parents=True)
     (data / "monarch-nb-lab").symlink_to(BUILD)
-    port, token = _free_port(), secrets.token_hex(16)
-    env = dict(os.environ)
-    for var in ("JUPYTER_CONFIG_DIR", "JUPYTER_RUNTIME_DIR"):
-        env[var] = str(tmp_path / var.lower())
-    env["JUPYTER_PATH"] = os.pathsep.join(
-        p for p in (str(tmp_path / "data"), env.get("JUPYTER_PATH", "")) if p)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    log = open(tmp_path / "lab.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
-         f"--port={port}", "--ip=127.0.0.1", f"--ServerApp.token={token}",
-         f"--ServerApp.root_dir={root}", "--LabApp.news_url=", "--LabApp.expose_app_in_browser=True",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, (tmp_path / "lab.log").read_text()[-3000:]
-            try:
-                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "JupyterLab did not start in 90 s"
-                time.sleep(0.25)
+    path = os.pathsep.join(p for p in (str(tmp_path / "data"), os.environ.get("JUPYTER_PATH", "")) if p)
+    cells = [c.replace("GO", repr(str(tmp_path))) for c in CELLS]
+    with jupyter_lab(tmp_path, "mesh.ipynb", cells, {"JUPYTER_PATH": path}) as (url, token):
         yield url, token, tmp_path
-    finally:
-        proc.terminate()  # the kernel goes with the server; its ranks with the kernel
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def test_status_bar_and_panel(lab: tuple[str, str, pathlib.Path]) -> None:
@@ -131,8 +83,7 @@ def test_status_bar_and_panel(lab: tuple[str, str, pathlib.Path]) -> None:
     url, token, go = lab
     before = worker_pids()
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                     args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         console: list[str] = []
         page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))

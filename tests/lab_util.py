@@ -1,0 +1,106 @@
+"""A JupyterLab server and headless chromium for the real-browser tests
+(tests/test_browser.py, tests/test_lab_extension.py).
+
+The browser tests are skipped only where chromium, Playwright or JupyterLab is
+missing *and* this is not CI; in CI (``CI=true``) they run, and fail if they
+cannot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def need_browser() -> None:
+    missing = []
+    if not os.path.exists(CHROMIUM):
+        missing.append(f"{CHROMIUM} (apt-get install chromium)")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        missing.append("playwright (pip install playwright)")
+    if shutil.which("jupyter-lab", path=os.path.dirname(sys.executable)) is None:
+        missing.append("jupyterlab (pip install jupyterlab)")
+    if missing and not IN_CI:
+        pytest.skip("browser test needs " + ", ".join(missing))
+    assert not missing, "in CI the browser test must run; missing: " + ", ".join(missing)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def notebook(cells: list[str]) -> dict[str, Any]:
+    return {
+        "cells": [{"cell_type": "code", "metadata": {}, "source": c, "outputs": [],
+                   "execution_count": None} for c in cells],
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                    "language": "python"}},
+        "nbformat": 4, "nbformat_minor": 5,
+    }
+
+
+@contextlib.contextmanager
+def jupyter_lab(tmp_path: pathlib.Path, name: str, cells: list[str],
+                env_extra: dict[str, str] | None = None) -> Iterator[tuple[str, str]]:
+    """A JupyterLab server on localhost serving one notebook ``name`` made of
+    ``cells``, without user settings or workspaces; yields (url, token) and
+    stops the server (the kernel goes with it; its ranks with the kernel)."""
+    root = tmp_path / "nb"
+    root.mkdir()
+    (root / name).write_text(json.dumps(notebook(cells)))
+    port, token = free_port(), secrets.token_hex(16)
+    env = dict(os.environ)
+    for var in ("JUPYTER_CONFIG_DIR", "JUPYTER_RUNTIME_DIR"):
+        env[var] = str(tmp_path / var.lower())
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.update(env_extra or {})
+    log_path = tmp_path / "lab.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
+         f"--port={port}", "--ip=127.0.0.1", f"--ServerApp.token={token}",
+         f"--ServerApp.root_dir={root}", "--LabApp.news_url=", "--LabApp.expose_app_in_browser=True",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "JupyterLab did not start in 90 s"
+                time.sleep(0.25)  # polling the server's status until it answers
+        yield url, token
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
