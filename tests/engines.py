@@ -112,15 +112,20 @@ def capture(interface: str, path: Path) -> Iterator[Path]:
         yield path
     finally:
         time.sleep(1.0)  # let the last packets be written (-U: per packet)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if proc.stderr:
-            proc.stderr.close()
+        _end(proc, signal.SIGINT)  # tcpdump writes out what it captured
+
+
+def _end(proc: subprocess.Popen[bytes], sig: int) -> None:
+    """Stop a daemon the fixtures started: ``sig``, then SIGKILL after 10 s."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if proc.stderr:
+        proc.stderr.close()
 
 
 # -- SLURM -------------------------------------------------------------------------------------
@@ -321,12 +326,4 @@ def sshd_in(hosts: Hosts, folder: str) -> Iterator[Sshd]:
         yield Sshd(hosts, template)
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            if proc.stderr:
-                proc.stderr.close()
+            _end(proc, signal.SIGTERM)
