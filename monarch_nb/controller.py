@@ -47,7 +47,7 @@ from .inspector import Inspector
 from .launchers import Launcher, LocalLauncher
 from .metrics import decode as decode_metrics
 from .metricstore import MetricsStore
-from .output import CallOutput
+from .output import CallOutput, decode_items
 from .policy import (
     Died,
     Ready,
@@ -56,7 +56,6 @@ from .policy import (
 )
 from .protocol import Codec, Kind, Message, new_key
 from .rankstate import (
-    REFORM_GRACE_S,
     Event,
     PendingCall,
     RankInfo,
@@ -406,7 +405,7 @@ class Controller(Inspector, Recovery):
 
     def _on_output(self, info: RankInfo, msg: Message) -> None:
         call = self.calls.get(msg.header.call)
-        items = _output_items(msg.payload[0]) if msg.payload else []
+        items = decode_items(msg.payload[0]) if msg.payload else []
         target = call.output if call is not None else self.default_output
         if call is not None:
             call.progress_at = time.monotonic()
@@ -445,7 +444,7 @@ class Controller(Inspector, Recovery):
     def _complete_rank(self, call: PendingCall, info: RankInfo, msg: Message) -> None:
         payload = msg.payload
         if msg.meta.get("o") and payload:
-            for stream, text in _output_items(payload[0]):
+            for stream, text in decode_items(payload[0]):
                 call.output.feed(info.rank, stream, text)
             payload = payload[1:]
         if msg.meta.get("ok", True):
@@ -563,17 +562,7 @@ class Controller(Inspector, Recovery):
         deadline = self.policy.next_deadline()
         if deadline is not None and deadline <= now:
             self._apply(self.policy.handle(Timer(now)))
-        for rank, answer_by in list(self.awaiting_reform.items()):
-            if now > answer_by:
-                info = self.ranks[rank]
-                if any(c.elastic and rank in c.remaining for c in self.calls.values()):
-                    self._replace_stuck(rank)  # its state comes back from a peer
-                else:
-                    # Only a rank stuck *in a collective* is replaced (its state
-                    # is lost, the alternative is a hang until the group
-                    # timeout); one that is busy computing is left alone.
-                    self.awaiting_reform[rank] = now + REFORM_GRACE_S
-                    self.io.send(info.ctl_id, self.codec.sign(Kind.STACKS))
+        self._check_reforms(now)
         if now - getattr(self, "_last_ping", 0.0) >= self.cfg.heartbeat_interval:
             self._last_ping = now
             frames = self.codec.sign(Kind.PING)
@@ -604,18 +593,6 @@ class Controller(Inspector, Recovery):
             return "still running"
         name = signal_name(code)
         return f"killed by {name}" if name else f"exited with code {code}"
-
-
-def _output_items(frame: Any) -> list[tuple[str, str]]:
-    """Output text of a verified message: JSON ``[[stream, text], ...]``
-    (JSON, not pickle: output is data, never code)."""
-    import json
-
-    try:
-        items = json.loads(bytes(frame))
-        return [(str(stream), str(text)) for stream, text in items]
-    except (ValueError, TypeError):
-        return [("stderr", "[monarch_nb: unreadable output chunk dropped]\n")]
 
 
 def _announced(result: Message) -> int:

@@ -15,6 +15,7 @@ Non-goals: widgets (dashboard), deciding what a call is (controller).
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -161,3 +162,13 @@ def render(by_rank: dict[int, list[str]]) -> str:
 
 def describe_where(where: dict[int, Any]) -> str:
     return "; ".join(f"rank {r}: {w}" for r, w in sorted(where.items()))
+
+
+def decode_items(frame: Any) -> list[tuple[str, str]]:
+    """Output text of a verified message: JSON ``[[stream, text], ...]``
+    (JSON, not pickle: output is data, never code)."""
+    try:
+        items = json.loads(bytes(frame))
+        return [(str(stream), str(text)) for stream, text in items]
+    except (ValueError, TypeError):
+        return [("stderr", "[monarch_nb: unreadable output chunk dropped]\n")]

@@ -120,6 +120,20 @@ class Recovery(_Base):
             future.add_done_callback(report)
             self.io.send(info.main_id, self.codec.sign(Kind.EXEC, call=call_id, meta=cell))
 
+    def _check_reforms(self, now: float) -> None:
+        """Members told to re-form that did not answer in time."""
+        for rank, answer_by in list(self.awaiting_reform.items()):
+            if now > answer_by:
+                info = self.ranks[rank]
+                if any(c.elastic and rank in c.remaining for c in self.calls.values()):
+                    self._replace_stuck(rank)  # its state comes back from a peer
+                else:
+                    # Only a rank stuck *in a collective* is replaced (its state
+                    # is lost, the alternative is a hang until the group
+                    # timeout); one that is busy computing is left alone.
+                    self.awaiting_reform[rank] = now + REFORM_GRACE_S
+                    self.io.send(info.ctl_id, self.codec.sign(Kind.STACKS))
+
     def _replace_stuck(self, rank: int) -> None:
         """An elastic survivor that did not answer the re-formation is stuck
         in a collective with a peer that left (gloo does not always fail it).
