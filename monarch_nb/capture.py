@@ -42,10 +42,12 @@ class OutputBuffer:
         """Start attributing output to ``call``; returns what was left over
         from outside any call (background threads)."""
         with self._lock:
-            left = _joined(self._items)
-            self._items, self._pending = [], 0
             self.call, self.chunks, self._forwarded, self._dropped = call, 0, 0, 0
-            return left
+            items = self._items
+            if not items:  # the usual case: nothing printed between calls
+                return []
+            self._items, self._pending = [], 0
+            return _joined(items)
 
     def write(self, stream: str, text: str) -> None:
         with self._lock:
@@ -94,7 +96,9 @@ class OutputBuffer:
     def finish(self) -> tuple[int, list[list[str]]]:
         """End the call: (chunks already taken, remaining items)."""
         with self._lock:
-            items, self._items, self._pending = _joined(self._items), [], 0
+            items = self._items
+            if items:
+                items, self._items, self._pending = _joined(items), [], 0
             if self._dropped:
                 items.append(
                     ["stderr", f"[monarch_nb: {self._dropped} more characters of output not "

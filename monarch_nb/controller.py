@@ -29,6 +29,7 @@ Non-goals: the user-facing API (mesh.py), process handling (supervisor.py).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import secrets
@@ -250,13 +251,17 @@ class Controller(Inspector, Recovery):
         handed back meanwhile (heartbeats and pings go on while the user
         types, and typing time does not count against the timeout)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        io = self.io
         while True:
-            with self.io.leadership():
+            io.lead()  # as ``with io.leadership()``, which costs more per call
+            try:
                 if go is not None:
-                    self.io.run_commands()  # earlier requests (restart, interrupt) go first
+                    io.run_commands()  # earlier requests (restart, interrupt) go first
                     go()
                     go = None
                 self._lead_until(future, deadline)
+            finally:
+                io.unlead()
             if future.done() or self.io.stopping or not self.prompt_ready(future.call_id):
                 return
             asked = time.monotonic()
@@ -270,13 +275,22 @@ class Controller(Inspector, Recovery):
             self.io.run_once(seconds)
 
     def _lead_until(self, future: MeshFuture, deadline: float | None) -> None:
-        while not future.done() and not self.io.stopping:
-            if self.prompts and self.prompt_ready(future.call_id):
+        io, calls, call_id = self.io, self.calls, future.call_id
+
+        def answered() -> bool:
+            return call_id not in calls and future.done()
+
+        # ``call_id in calls`` first: a dict lookup, where done() takes a lock
+        while (call_id in calls or not future.done()) and not io.stopping:
+            if self.prompts and self.prompt_ready(call_id):
                 return  # the caller asks the user, without holding the loop
-            left = 0.1 if deadline is None else deadline - time.monotonic()
+            if deadline is None:
+                io.run_once(0.1, answered)
+                continue
+            left = deadline - time.monotonic()
             if left <= 0:
                 return
-            self.io.run_once(min(left, 0.1))
+            io.run_once(left if left < 0.1 else 0.1, answered)
 
     def _prepare(self, kind: Kind, ranks: tuple[int, ...], payload: list[Any],
                  meta: dict[str, Any] | None, output: CallOutput,
@@ -313,21 +327,24 @@ class Controller(Inspector, Recovery):
             call.elastic, call.frames = True, frames
 
         def go() -> None:
-            waiting = (RankState.RESPAWNING, RankState.STARTING) + (
-                (RankState.DEAD,) if self.cfg.respawn != "off" else ())
-            if any(self.ranks[r].state in waiting for r in ranks) and self.started:
-                self.deferred.append(go)  # sent once the new process is ready
-                return
+            infos = [self.ranks[r] for r in ranks]
+            if self.started and not all(i.state in _SENDABLE for i in infos):
+                waiting = (RankState.RESPAWNING, RankState.STARTING) + (
+                    (RankState.DEAD,) if self.cfg.respawn != "off" else ())
+                if any(i.state in waiting for i in infos):
+                    self.deferred.append(go)  # sent once the new process is ready
+                    return
             self.calls[call_id] = call
             call.progress_at = time.monotonic()
-            for r in ranks:
-                info = self.ranks[r]
+            idents = []
+            for info in infos:
                 if info.state in (RankState.DEAD, RankState.FAILED, RankState.STOPPED):
-                    call.errors[r] = self._died(info)
-                    call.remaining.discard(r)
+                    call.errors[info.rank] = self._died(info)
+                    call.remaining.discard(info.rank)
                     continue
                 info.state = RankState.BUSY
-                self.io.send(info.main_id, frames)
+                idents.append(info.main_id)
+            self.io.send_many(idents, frames)
             self._maybe_finish(call)
 
         return future, go
@@ -356,7 +373,13 @@ class Controller(Inspector, Recovery):
             return  # an old incarnation's straggler
         info.last_heartbeat = time.monotonic()
         kind = msg.kind
-        if kind == Kind.RESULT:
+        if kind is Kind.RESULT:
+            if not msg.meta and not msg.payload:  # a no-op's answer: the fast path
+                call = self.calls.get(msg.call)
+                if call is not None and info.rank in call.remaining:
+                    call.results[info.rank] = None
+                    self._rank_done(call, info)
+                return
             self._on_result(info, msg)
         elif kind == Kind.OUTPUT:
             self._on_output(info, msg)
@@ -367,7 +390,7 @@ class Controller(Inspector, Recovery):
         elif kind == Kind.INTERRUPTED:
             # Kept even after the call finished: the answer travels on the
             # control socket and may overtake or trail the RESULT.
-            where = self.interrupt_where.get(msg.header.call)
+            where = self.interrupt_where.get(msg.call)
             if where is not None:
                 where[info.rank] = str(msg.meta.get("where", ""))
         elif kind == Kind.HELLO:
@@ -404,7 +427,7 @@ class Controller(Inspector, Recovery):
             info.start_error = str(msg.meta.get("error", ""))
 
     def _on_output(self, info: RankInfo, msg: Message) -> None:
-        call = self.calls.get(msg.header.call)
+        call = self.calls.get(msg.call)
         items = decode_items(msg.payload[0]) if msg.payload else []
         target = call.output if call is not None else self.default_output
         if call is not None:
@@ -415,7 +438,7 @@ class Controller(Inspector, Recovery):
         self._count_chunk(call, info, msg)
 
     def _on_metrics(self, info: RankInfo, msg: Message) -> None:
-        call = self.calls.get(msg.header.call)
+        call = self.calls.get(msg.call)
         if call is not None:
             call.progress_at = time.monotonic()  # a metric is progress (hang watchdog)
         if msg.payload:
@@ -433,21 +456,26 @@ class Controller(Inspector, Recovery):
                 self._complete_rank(call, info, held)
 
     def _on_result(self, info: RankInfo, msg: Message) -> None:
-        call = self.calls.get(msg.header.call)
+        call = self.calls.get(msg.call)
         if call is None or info.rank not in call.remaining:
             return
-        if call.chunks_seen.get(info.rank, 0) < _announced(msg):
+        # empty meta: a success without output or metrics (the usual case)
+        if msg.meta and call.chunks_seen.get(info.rank, 0) < _announced(msg):
             call.held[info.rank] = msg  # output chunks still on their way
             return
         self._complete_rank(call, info, msg)
 
     def _complete_rank(self, call: PendingCall, info: RankInfo, msg: Message) -> None:
-        payload = msg.payload
-        if msg.meta.get("o") and payload:
+        payload, meta = msg.payload, msg.meta
+        if not meta:  # a plain success: nothing to print, nothing went wrong
+            call.results[info.rank] = serialize.loads(payload) if payload else None
+            self._rank_done(call, info)
+            return
+        if meta.get("o") and payload:
             for stream, text in decode_items(payload[0]):
                 call.output.feed(info.rank, stream, text)
             payload = payload[1:]
-        if msg.meta.get("ok", True):
+        if meta.get("ok", True):
             try:
                 call.results[info.rank] = serialize.loads(payload) if payload else None
             except serialize.SerializationError as exc:
@@ -459,15 +487,20 @@ class Controller(Inspector, Recovery):
             call.errors[info.rank] = RemoteError(
                 info.rank, str(err.get("type", "Exception")), str(err.get("msg", "")),
                 str(err.get("tb", "")))
+        self._rank_done(call, info)
+
+    def _rank_done(self, call: PendingCall, info: RankInfo) -> None:
         call.remaining.discard(info.rank)
         call.progress_at = time.monotonic()
         if self.prompts or self.debug_focus:
             self._release_focus(call.call_id, info.rank)
-        if info.state == RankState.BUSY and not any(
-            info.rank in c.remaining for c in self.calls.values()
-        ):
+        calls = self.calls
+        if info.state == RankState.BUSY and (len(calls) == 1 or not any(
+            info.rank in c.remaining for c in calls.values()
+        )):
             info.state = RankState.READY
-        self._maybe_finish(call)
+        if not call.remaining and not call.held:
+            self._maybe_finish(call)
 
     def _maybe_finish(self, call: PendingCall) -> None:
         if call.remaining or call.held:
@@ -485,9 +518,7 @@ class Controller(Inspector, Recovery):
             self._classify_membership(call)
             future.set_exception(RankErrors(dict(call.errors), dict(call.results), len(call.ranks)))
         else:
-            from .mesh import RankResults
-
-            future.set_result(RankResults(call.results))
+            future.set_result(_rank_results()(call.results))
 
     # -- I/O thread: deaths and ticks --------------------------------------------------
     def _on_exit(self, rank: int, proc: Any = None) -> None:
@@ -593,6 +624,17 @@ class Controller(Inspector, Recovery):
             return "still running"
         name = signal_name(code)
         return f"killed by {name}" if name else f"exited with code {code}"
+
+
+_SENDABLE = (RankState.READY, RankState.BUSY)
+
+
+@functools.cache
+def _rank_results() -> type:
+    """mesh.RankResults (mesh imports this module: looked up once, lazily)."""
+    from .mesh import RankResults
+
+    return RankResults
 
 
 def _announced(result: Message) -> int:

@@ -98,6 +98,8 @@ class RelayStdin(io.TextIOBase):
 
     def reset(self) -> None:
         """A new call starts: answers meant for an earlier one are stale."""
+        if not self._answers.qsize():  # the usual case, without raising Empty
+            return
         while True:
             try:
                 self._answers.get_nowait()

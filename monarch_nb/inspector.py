@@ -113,12 +113,12 @@ class Inspector(_Base):
 
     def _on_stacks_reply(self, info: RankInfo, msg: Message) -> bool:
         """True if the reply belonged to a request of ours."""
-        req = self.stack_requests.get(msg.header.call)
+        req = self.stack_requests.get(msg.call)
         if req is None or info.rank not in req.ranks:
             return False
         req.result[info.rank] = RankStacks(
             info.rank, "ok", list(msg.meta.get("threads") or []), int(msg.meta.get("busy") or 0))
-        self._maybe_finish_stacks(msg.header.call)
+        self._maybe_finish_stacks(msg.call)
         return True
 
     def _maybe_finish_stacks(self, req_id: int, now: float | None = None) -> None:
@@ -152,7 +152,7 @@ class Inspector(_Base):
 
     # -- debugger relay -----------------------------------------------------------------
     def _on_prompt(self, info: RankInfo, msg: Message) -> None:
-        call = self.calls.get(msg.header.call)
+        call = self.calls.get(msg.call)
         if call is None:
             return
         call.progress_at = time.monotonic()

@@ -106,14 +106,13 @@ class MetricsBuffer:
     def begin(self, call: int) -> list[Point]:
         """A call starts; returns points logged between calls (sent uncounted)."""
         with self._lock:
-            left = self._drain()
             self.call, self.batches = call, 0
-            return left
+            return self._drain() if self._q else []
 
     def finish(self) -> tuple[int, list[Point]]:
         """The call ended: ``(batches the control thread sent, the rest)``."""
         with self._lock:
-            rest = self._drain()
+            rest = self._drain() if self._q else []
             n, self.call, self.batches = self.batches, 0, 0
             return n, rest
 

@@ -45,17 +45,29 @@ class RankInfo:
     ready_at: float | None = None
     health: dict[str, Any] = field(default_factory=dict)  # latest HEARTBEAT's (health.py)
 
+    # (incarnation, token, main id, ctl id): the ids are read for every call
+    _ids: tuple[int, str, bytes, bytes] = field(default=(-1, "", b"", b""), repr=False,
+                                                compare=False)
+
     @property
     def identity(self) -> str:
         return f"r{self.rank}.{self.incarnation}.{self.token}"
 
+    def _socket_ids(self) -> tuple[int, str, bytes, bytes]:
+        ids = self._ids
+        if ids[0] != self.incarnation or ids[1] != self.token:  # a new process
+            ident = self.identity
+            ids = self._ids = (self.incarnation, self.token, f"{ident}.main".encode(),
+                               f"{ident}.ctl".encode())
+        return ids
+
     @property
     def main_id(self) -> bytes:
-        return f"{self.identity}.main".encode()
+        return self._socket_ids()[2]
 
     @property
     def ctl_id(self) -> bytes:
-        return f"{self.identity}.ctl".encode()
+        return self._socket_ids()[3]
 
 
 @dataclass

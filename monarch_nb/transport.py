@@ -190,6 +190,7 @@ class IOLoop:
         self._released_at = 0.0
         self._next_tick = time.monotonic()
         self.dropped: collections.Counter[str] = collections.Counter()
+        self._idents: dict[bytes, str] = {}
         self.thread = threading.Thread(target=self._run, name="monarch-nb-io", daemon=True)
 
     # -- thread-safe API ----------------------------------------------------
@@ -229,6 +230,14 @@ class IOLoop:
         ``LINGER_S`` before taking them again, so a loop of calls never has
         to wake it.
         """
+        self.lead()
+        try:
+            yield
+        finally:
+            self.unlead()
+
+    def lead(self) -> None:
+        """Take the sockets (see :meth:`leadership`); pair with :meth:`unlead`."""
         lead = self._lead
         if not lead.acquire(blocking=False):
             with self._want_lock:
@@ -239,11 +248,10 @@ class IOLoop:
             finally:
                 with self._want_lock:
                     self._want -= 1
-        try:
-            yield
-        finally:
-            self._released_at = time.monotonic()
-            lead.release()
+
+    def unlead(self) -> None:
+        self._released_at = time.monotonic()
+        self._lead.release()
 
     @property
     def stopping(self) -> bool:
@@ -272,9 +280,26 @@ class IOLoop:
         except zmq.ZMQError as exc:  # peer gone: the supervisor reports deaths
             log.debug("send to %r failed: %s", ident, exc)
 
-    def run_once(self, timeout: float) -> None:
+    def send_many(self, idents: Sequence[bytes], frames: Sequence[Any]) -> None:
+        """The same frames to each of ``idents`` (a call to several ranks:
+        signed once, sent N times); only call while leading."""
+        router = self.router
+        last = len(frames) - 1
+        small = [isinstance(f, bytes) or memoryview(f).nbytes < _COPY_BELOW for f in frames]
+        for ident in idents:
+            try:
+                socket_send(router, ident, _SNDMORE)
+                for i, frame in enumerate(frames):
+                    socket_send(router, frame, _SNDMORE if i < last else 0, small[i])
+            except zmq.ZMQError as exc:  # peer gone: the supervisor reports deaths
+                log.debug("send to %r failed: %s", ident, exc)
+
+    def run_once(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
         """One turn of the loop: wait up to ``timeout`` s for anything, then
-        run commands, inbound messages, exited processes and the tick."""
+        run commands, inbound messages, exited processes and the tick.
+        ``until``: the leader's condition; reading messages stops once it
+        holds (the rest wait for the next turn), which spares the no-op
+        path the zmq.Again that ends a full drain."""
         # ceil: pyzmq truncates, and a 0 ms poll would spin until the tick
         timeout_ms = math.ceil(max(0.0, min(timeout, self._next_tick - time.monotonic()) * 1000))
         try:
@@ -293,12 +318,13 @@ class IOLoop:
         if self.zap is not None and self.zap in events:
             self._answer_zap()
         if self.router in events:
-            self._drain_router()
-        for fd in list(self._fds):
-            if fd in events:
-                callback = self._fds.pop(fd)
-                self._poller.unregister(fd)
-                self._guard(callback)
+            self._drain_router(until)
+        if self._fds and len(events) > (self.router in events) + (self._wake_fd in events):
+            for fd in list(self._fds):
+                if fd in events:
+                    callback = self._fds.pop(fd)
+                    self._poller.unregister(fd)
+                    self._guard(callback)
         now = time.monotonic()
         tick = self._on_tick
         if now >= self._next_tick:
@@ -346,26 +372,49 @@ class IOLoop:
         while commands:
             self._guard(commands.popleft())
 
-    def _drain_router(self) -> None:
-        router = self.router
-        for _ in range(1000):  # bounded so commands and ticks are not starved
+    def _drain_router(self, until: Callable[[], bool] | None = None) -> None:
+        recv = self.router.recv
+        verify, on_message, dropped = self.codec.verify, self._on_message, self.dropped
+        # Bounded so commands and ticks are not starved. Frames are read one
+        # by one because a Frame knows whether more follow: recv_multipart
+        # asks the socket with a getsockopt per frame, and pyzmq's
+        # getsockopt builds an enum each time (measurable on the no-op path,
+        # more than the one zmq.Again that ends the drain).
+        for _ in range(1000):
             try:
-                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+                frame = recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            ident = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
+            frames = [frame]
+            while frame.more:
+                frame = recv(0, copy=False)
+                frames.append(frame)
+            ident = frames[0].bytes
             try:
-                msg = self.codec.verify(frames[1:], expected_sender=ident.decode("utf-8", "replace"))
+                msg = verify(frames[1:], expected_sender=self._ident_str(ident))
             except Exception as exc:  # never let a message kill the I/O thread
                 if not isinstance(exc, ProtocolError):
                     exc = ProtocolError("malformed", f"{type(exc).__name__}: {exc}")
-                self.dropped[exc.reason] += 1
-                n = self.dropped[exc.reason]
+                dropped[exc.reason] += 1
+                n = dropped[exc.reason]
                 if n == 1 or n % 1000 == 0:  # a flood of forgeries must not flood the log
                     log.warning("dropped %d message(s) (%s), latest from %r: %s",
                                 n, exc.reason, ident[:64], exc)
                 continue
-            self._guard(lambda: self._on_message(ident, msg))
+            try:
+                on_message(ident, msg)
+            except Exception:  # as _guard, inlined: this runs for every message
+                log.exception("monarch_nb I/O thread handler failed")
+            if until is not None and until():
+                return
+
+    def _ident_str(self, ident: bytes) -> str:
+        text = self._idents.get(ident)
+        if text is None:
+            text = ident.decode("utf-8", "replace")
+            if len(self._idents) < 4096:  # routing ids are few; forgeries must not grow this
+                self._idents[ident] = text
+        return text
 
     def _answer_zap(self) -> None:
         """ZAP (RFC 27): admit Curve clients whose public key is allowed."""
@@ -413,17 +462,22 @@ class IOLoop:
 
 
 _SNDMORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
 _COPY_BELOW = 64 * 1024
+
+
+# pyzmq's Socket.send is a Python wrapper (routing ids, groups) around the
+# Cython send; the wrapper is a measurable part of a no-op call.
+socket_send = zmq.backend.Socket.send
 
 
 def send_frames(sock: zmq.Socket, frames: Sequence[Any]) -> None:
     """``send_multipart`` without its per-frame enum arithmetic (measurable on
     the no-op path); small frames are copied, big ones sent zero-copy."""
     last = len(frames) - 1
-    send = sock.send
     for i, frame in enumerate(frames):
         big = not isinstance(frame, bytes) and memoryview(frame).nbytes >= _COPY_BELOW
-        send(frame, _SNDMORE if i < last else 0, copy=not big)
+        socket_send(sock, frame, _SNDMORE if i < last else 0, not big)
 
 
 def pidfd_open(pid: int) -> int | None:
@@ -454,9 +508,19 @@ def dealer(ctx: zmq.Context, identity: str, endpoint: str,
     return sock
 
 
+def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
+    """``recv_multipart(copy=False)`` without a getsockopt per frame."""
+    frame = sock.recv(flags, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(flags, copy=False)
+        frames.append(frame)
+    return frames
+
+
 def recv_verified(sock: zmq.Socket, codec: Codec, dropped: collections.Counter[str]) -> Message | None:
     """Receive one message and verify it; None (and counted) if it fails."""
-    frames = sock.recv_multipart(copy=False)
+    frames = recv_frames(sock)
     try:
         return codec.verify(frames)
     except ProtocolError as exc:
@@ -464,4 +528,5 @@ def recv_verified(sock: zmq.Socket, codec: Codec, dropped: collections.Counter[s
         return None
 
 
-__all__ = ["CurveKeys", "IOLoop", "dealer", "pidfd_open", "recv_verified", "send_frames"]
+__all__ = ["CurveKeys", "IOLoop", "dealer", "pidfd_open", "recv_frames", "recv_verified", "socket_send",
+           "send_frames"]

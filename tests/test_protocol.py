@@ -164,8 +164,8 @@ def test_non_ascii_sender_round_trips(receiver):
 
 @pytest.mark.parametrize("size", [0, 1, SMALL, SMALL + 1, 5 * SMALL])
 def test_signature_is_hmac_sha256_over_header_then_payload(sender, receiver, size):
-    """Both signing paths (one-shot below SMALL, HMAC object above) agree with
-    the documented definition, and verify accepts them."""
+    """Both signing paths (one joined buffer below SMALL, frame by frame
+    above) agree with the documented definition, and verify accepts them."""
     payload = [b"a" * size, b"b" * 7]
     frames = sender.sign(Kind.CALL, payload, meta={"k": 1})
     sig, header, rest = split(frames)
@@ -173,6 +173,21 @@ def test_signature_is_hmac_sha256_over_header_then_payload(sender, receiver, siz
     assert sig == expected
     assert bytes(frames[0]) == expected + header  # the signature comes first, then the header
     assert [bytes(p) for p in receiver.verify(join(sig, header, rest)).payload] == payload
+
+
+@pytest.mark.parametrize("key_len", [16, 32, 63, 64, 65, 200])
+@pytest.mark.parametrize("payload", [[], [b""], [b"p" * 100], [b"q" * (SMALL + 3), b"r"]],
+                         ids=["none", "empty", "small", "large"])
+def test_signature_equals_the_standard_hmac_for_any_key_length(key_len, payload):
+    """The codec computes HMAC-SHA256 from precomputed keyed states (RFC 2104
+    by hand, for speed): it must give the bytes hmac.new gives, keys longer
+    than SHA-256's block (hashed first) included."""
+    key = bytes(range(256))[:key_len] if key_len <= 256 else b""
+    codec = Codec(key, "rank0")
+    frames = codec.sign(Kind.RESULT, payload, call=3, meta={"ok": True} if payload else None)
+    sig, header, rest = split(frames)
+    assert sig == hmac.new(key, header + b"".join(payload), hashlib.sha256).digest()
+    assert Codec(key, "ctl").verify(frames).call == 3
 
 
 @pytest.mark.parametrize("wrap", [bytes, bytearray, memoryview], ids=["bytes", "bytearray", "memoryview"])
