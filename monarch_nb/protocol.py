@@ -4,19 +4,24 @@ Pure bytes in, bytes out — no sockets, no threads, no unpickling.
 
 A message is a list of frames (after any routing identity)::
 
-    [signature + header, payload_0, payload_1, ...]
+    [signature + header (+ payload_0 if small), payload_1, payload_2, ...]
 
-(signature and header share the first frame: one frame fewer per message
-is measurable on the no-op path.)
+(The signature, the header and a small first payload frame share the first
+frame: every frame fewer is measurable on the no-op path, where a call is
+one frame each way.)
 
 * ``header`` is a fixed binary part (struct ``HEAD``: protocol version, kind,
-  sequence number, call id, sender-id length, number of payload frames), the
-  sender id, the byte length of each payload frame, then optional compact JSON
-  metadata. It is never pickled. (Binary because this is parsed on every
-  message of the hot path: struct is ~10x cheaper than JSON here.)
+  flags, sequence number, call id, sender-id length, number of payload
+  frames), the sender id, the byte length of each payload frame, then
+  optional compact JSON metadata. It is never pickled. (Binary because this
+  is parsed on every message of the hot path: struct is ~10x cheaper than
+  JSON here.)
+* flag ``INLINE``: payload frame 0 (at most ``INLINE_MAX`` bytes) is not a
+  frame of its own but the last ``lengths[0]`` bytes of the first frame.
 * ``signature`` is HMAC-SHA256 under the per-mesh key over the header and then
-  every payload frame. Because the header lists the payload lengths, frame
-  boundaries are signed too.
+  every payload frame, in order (the same bytes whether payload 0 is inline
+  or not). Because the header lists the payload lengths, frame boundaries are
+  signed too.
 * payload frames are opaque here (the serialize module owns them); they are
   only deserialised *after* :meth:`Codec.verify` accepted the message.
 
@@ -44,12 +49,15 @@ from typing import Any
 
 from .errors import ProtocolError
 
-VERSION = 2  # 2: signature and header share the first frame
+VERSION = 3  # 2: signature and header share the first frame; 3: so may payload 0
 SIGNATURE_BYTES = 32
 MAX_HEADER_BYTES = 64 * 1024
 MAX_FRAMES = 4096
 REPLAY_WINDOW = 8192
-HEAD = struct.Struct("!BBQQHH")  # version, kind, seq, call, len(sender), n payload frames
+# version, kind, flags, seq, call, len(sender), n payload frames
+HEAD = struct.Struct("!BBBQQHH")
+INLINE = 1  # flags: payload frame 0 ends the first frame
+INLINE_MAX = 16 * 1024  # payload frame 0 up to this size travels inline
 SMALL = 16 * 1024  # payloads below this are hashed as one joined buffer
 
 Buffer = bytes | bytearray | memoryview
@@ -88,6 +96,7 @@ _pack_head = HEAD.pack
 _unpack_head = HEAD.unpack_from
 _HEAD_SIZE = HEAD.size
 _MIN_FIRST = SIGNATURE_BYTES + HEAD.size
+_MAX_BODY = MAX_HEADER_BYTES + INLINE_MAX
 _compare_digest = hmac.compare_digest
 _LENGTHS = [struct.Struct(f"!{n}Q") for n in range(9)]
 
@@ -160,7 +169,10 @@ class Codec:
     thread that signs through it (``itertools.count`` is atomic under the GIL).
     """
 
-    def __init__(self, key: bytes, sender: str, *, max_bytes: int = 4 << 30) -> None:
+    def __init__(self, key: bytes, sender: str, *, max_bytes: int = 4 << 30,
+                 inline_max: int = INLINE_MAX) -> None:
+        """``inline_max``: the largest payload frame 0 that :meth:`sign`
+        puts inside the first frame (-1: never; verify accepts both layouts)."""
         if len(key) < 16:
             raise ValueError("mesh key must be at least 16 bytes")
         self._key = key
@@ -169,6 +181,7 @@ class Codec:
         self._sender_len = len(self._sender_b)
         self._senders: dict[bytes, str] = {}  # decoded sender ids, by their bytes
         self.max_bytes = max_bytes
+        self.inline_max = min(inline_max, INLINE_MAX)
         self._seq = itertools.count(1)
         self._windows: dict[str, ReplayWindow] = {}
         # HMAC-SHA256 (RFC 2104) from two keyed SHA-256 states computed once:
@@ -190,16 +203,25 @@ class Codec:
         call: int = 0,
         meta: dict[str, Any] | None = None,
     ) -> list[Buffer]:
-        """Frames ready to send: ``[signature + header, *payload]``."""
+        """Frames ready to send: ``[signature + header + payload[0], *payload[1:]]``
+        when ``payload[0]`` is small (``INLINE``), else ``[signature + header, *payload]``."""
         if payload:
             lengths = [memoryview(p).nbytes for p in payload]
             n = len(lengths)
+            inline = lengths[0] <= self.inline_max
             header = b"".join([
-                _pack_head(VERSION, _CODES[kind], next(self._seq), call, self._sender_len, n),
+                _pack_head(VERSION, _CODES[kind], INLINE if inline else 0, next(self._seq), call,
+                           self._sender_len, n),
                 self._sender_b, _lengths(n).pack(*lengths),
                 json.dumps(meta, separators=(",", ":")).encode() if meta else b""])
-            return [self._digest(header, payload, sum(lengths)) + header, *payload]
-        header = _pack_head(VERSION, _CODES[kind], next(self._seq), call, self._sender_len, 0) + \
+            if not inline:
+                return [self._digest(header, payload, sum(lengths)) + header, *payload]
+            body = b"".join([header, payload[0]])
+            if n == 1:
+                return [self._mac(body) + body]
+            rest = payload[1:]
+            return [self._digest(body, rest, sum(lengths) - lengths[0]) + body, *rest]
+        header = _pack_head(VERSION, _CODES[kind], 0, next(self._seq), call, self._sender_len, 0) + \
             self._sender_b
         if meta:
             header += json.dumps(meta, separators=(",", ":")).encode()
@@ -225,41 +247,50 @@ class Codec:
             first = _bytes(first)
         if len(first) < _MIN_FIRST:
             raise ProtocolError("truncated", "first frame shorter than signature + header")
-        header = first[SIGNATURE_BYTES:]
-        if len(header) > MAX_HEADER_BYTES:
+        body = first[SIGNATURE_BYTES:]  # header, then payload 0 if inline
+        if len(body) > _MAX_BODY:
             raise ProtocolError("oversized", "header")
-        if n == 1:  # most messages: no payload at all
-            payload: list[Any] = []
+        if n == 1:  # most messages: everything in one frame
+            rest: list[Any] = []
             sizes: tuple[int, ...] = ()
-            digest = self._mac(header)
+            digest = self._mac(body)
         else:
-            payload = list(frames[1:])
-            sizes = tuple([memoryview(p).nbytes for p in payload])
+            rest = list(frames[1:])
+            sizes = tuple([memoryview(p).nbytes for p in rest])
             total = sum(sizes)
             if total > self.max_bytes:
                 raise ProtocolError("oversized", f"{total} bytes")
-            digest = self._digest(header, payload, total)
+            digest = self._digest(body, rest, total)
         if not _compare_digest(first[:SIGNATURE_BYTES], digest):
             raise ProtocolError("bad-signature")
         # Signed by a key holder from here on; still parse defensively.
         try:
-            version, code, seq, call, slen, nframes = _unpack_head(header)
+            version, code, flags, seq, call, slen, nframes = _unpack_head(body)
             if version != VERSION:
                 raise ProtocolError("version", f"v{version}, expected v{VERSION}")
+            if flags & ~INLINE:
+                raise ValueError(f"unknown flags {flags:#x}")
             pos = _HEAD_SIZE + slen
-            if pos > len(header):
+            if pos > len(body):
                 raise ValueError("the sender id runs past the header")
-            sender = self._senders.get(header[_HEAD_SIZE:pos])
+            sender = self._senders.get(body[_HEAD_SIZE:pos])
             if sender is None:
-                sender = header[_HEAD_SIZE:pos].decode()
+                sender = body[_HEAD_SIZE:pos].decode()
                 if len(self._senders) < 1024:  # bounded: senders are few and known
-                    self._senders[header[_HEAD_SIZE:pos]] = sender
+                    self._senders[body[_HEAD_SIZE:pos]] = sender
             if nframes:
-                lengths = _lengths(nframes).unpack_from(header, pos)
+                lengths = _lengths(nframes).unpack_from(body, pos)
                 pos += 8 * nframes
             else:
                 lengths = ()
-            meta = json.loads(header[pos:]) if len(header) > pos else {}
+            end = len(body)
+            if flags:  # INLINE: payload 0 is the end of this frame
+                if not nframes or lengths[0] > INLINE_MAX or end - lengths[0] < pos:
+                    raise ValueError("inline payload does not fit the first frame")
+                end -= lengths[0]
+            if end > MAX_HEADER_BYTES:
+                raise ProtocolError("oversized", "header")
+            meta = json.loads(body[pos:end]) if end > pos else {}
             if type(meta) is not dict:
                 raise TypeError("meta is not an object")
             kind = _BY_CODE[code]
@@ -267,7 +298,7 @@ class Codec:
             raise
         except Exception as exc:  # RecursionError from nested JSON included
             raise ProtocolError("malformed", f"{type(exc).__name__}: {str(exc)[:200]}") from None
-        if lengths != sizes:
+        if (lengths[1:] if flags else lengths) != sizes:
             raise ProtocolError("truncated", "payload lengths differ from header")
         if expected_sender is not None and sender != expected_sender:
             raise ProtocolError("sender-mismatch", f"{expected_sender!r} claims {sender!r}")
@@ -276,6 +307,7 @@ class Codec:
             window = self._windows[sender] = ReplayWindow()
         if not window.check_and_add(seq):
             raise ProtocolError("replay", f"{sender} #{seq}")
+        payload = [body[end:], *rest] if flags else rest
         return Message(kind, sender, seq, call, meta, lengths, version, payload)
 
     def forget(self, sender: str) -> None:

@@ -23,6 +23,8 @@ from monarch_nb import protocol
 from monarch_nb.errors import MonarchError, ProtocolError
 from monarch_nb.protocol import (
     HEAD,
+    INLINE,
+    INLINE_MAX,
     MAX_FRAMES,
     MAX_HEADER_BYTES,
     REPLAY_WINDOW,
@@ -48,9 +50,9 @@ def code_of(kind: Kind) -> int:
 
 def raw_header(*, version: int = VERSION, code: int = 0, seq: int = 1, call: int = 0,
                sender: bytes = b"ctl", lengths: tuple[int, ...] = (), nframes: int | None = None,
-               meta: bytes = b"") -> bytes:
+               meta: bytes = b"", flags: int = 0) -> bytes:
     n = len(lengths) if nframes is None else nframes
-    return (HEAD.pack(version, code, seq, call, len(sender), n) + sender
+    return (HEAD.pack(version, code, flags, seq, call, len(sender), n) + sender
             + struct.pack(f"!{len(lengths)}Q", *lengths) + meta)
 
 
@@ -66,6 +68,13 @@ def split(frames) -> tuple[bytes, bytes, list]:
     """(signature, header, payload frames) of a message in the wire layout."""
     first = bytes(frames[0])
     return first[:SIGNATURE_BYTES], first[SIGNATURE_BYTES:], list(frames[1:])
+
+
+def header_of(body: bytes, payload) -> bytes:
+    """The header part of a first frame (after the signature): without
+    payload frame 0 when that travels inline."""
+    flags = HEAD.unpack_from(body)[2]
+    return body[:len(body) - len(payload[0])] if flags & INLINE else body
 
 
 def forge(header: bytes, payload: list[bytes] = (), key: bytes = KEY) -> list[bytes]:
@@ -88,6 +97,13 @@ def sender() -> Codec:
 @pytest.fixture
 def receiver() -> Codec:
     return Codec(KEY, "rank0")
+
+
+@pytest.fixture
+def separate() -> Codec:
+    """A sender that never puts payload frame 0 inside the first frame: the
+    layout of payloads over INLINE_MAX, for tests about frame boundaries."""
+    return Codec(KEY, "ctl", inline_max=-1)
 
 
 # -- documentation ------------------------------------------------------------
@@ -133,10 +149,10 @@ def test_round_trip_no_payload_no_meta(sender, receiver):
     assert (h.sender, h.seq, h.call, h.lengths, h.version) == ("ctl", 1, 0, (), VERSION)
 
 
-def test_round_trip_with_payload_and_meta(sender, receiver):
+def test_round_trip_with_payload_and_meta(separate, receiver):
     payload = [b"fn-pickle", b"", b"\x00" * 100]
     meta = {"code": "print(1)", "name": "<cell>", "setup": True, "nested": {"a": [1, 2.5, None]}}
-    frames = sender.sign(Kind.EXEC, payload, call=42, meta=meta)
+    frames = separate.sign(Kind.EXEC, payload, call=42, meta=meta)
     assert len(frames) == 1 + len(payload)
     assert [bytes(f) for f in frames[1:]] == payload  # payload frames travel as they are
     msg = receiver.verify(frames)
@@ -145,6 +161,62 @@ def test_round_trip_with_payload_and_meta(sender, receiver):
     assert msg.meta == meta
     assert [bytes(p) for p in msg.payload] == payload
     assert msg.header.lengths == (9, 0, 100)
+
+
+def test_small_first_payload_travels_inside_the_first_frame(sender, receiver):
+    """The no-op path's layout: payload frame 0 up to INLINE_MAX is appended
+    to signature + header, so a call to a cached function is one frame."""
+    payload = [b"fn-pickle" * 10, b"\x00" * 100]
+    frames = sender.sign(Kind.CALL, payload, call=5, meta={"m": 1})
+    assert len(frames) == len(payload)  # frame 0 merged into the first frame
+    assert bytes(frames[0]).endswith(payload[0])
+    assert [bytes(f) for f in frames[1:]] == payload[1:]
+    assert HEAD.unpack_from(bytes(frames[0]), SIGNATURE_BYTES)[2] == INLINE
+    msg = receiver.verify(frames)
+    assert [bytes(p) for p in msg.payload] == payload
+    assert (msg.call, msg.meta, msg.lengths) == (5, {"m": 1}, (90, 100))
+    assert len(sender.sign(Kind.CALL, [b"x"])) == 1
+
+
+@pytest.mark.parametrize("size,inline", [(0, True), (INLINE_MAX, True), (INLINE_MAX + 1, False)])
+def test_inline_threshold(sender, receiver, size, inline):
+    frames = sender.sign(Kind.RESULT, [b"v" * size, b"w"])
+    assert len(frames) == (2 if inline else 3)
+    assert [bytes(p) for p in receiver.verify(frames).payload] == [b"v" * size, b"w"]
+
+
+def test_inline_payload_byte_flips_fail_signature(sender, receiver):
+    frames = sender.sign(Kind.CALL, [b"inline-part"], meta={"m": 1})
+    first = bytearray(frames[0])
+    for i in range(len(first) - len(b"inline-part"), len(first)):
+        bad = bytearray(first)
+        bad[i] ^= 0x01
+        assert reason_of(receiver, [bytes(bad)]) == "bad-signature"
+    assert receiver.verify(frames).payload == [b"inline-part"]
+
+
+def test_inline_payload_moved_to_a_frame_of_its_own_is_refused(sender, receiver):
+    # Same signed bytes, split after the header: the INLINE flag (signed)
+    # says payload 0 ends the first frame, which no longer has room for it.
+    (first,) = sender.sign(Kind.CALL, [b"abcdef"])
+    assert reason_of(receiver, [first[:-6], first[-6:]]) == "malformed"
+    assert reason_of(receiver, [first[:-3], first[-3:]]) == "malformed"
+    # ...and with meta in front of it, the meta is cut or the frame count is off
+    (first,) = sender.sign(Kind.CALL, [b"abcdef"], meta={"m": 1})
+    assert reason_of(receiver, [first[:-6], first[-6:]]) in ("malformed", "truncated")
+    assert receiver.verify([first]).payload == [b"abcdef"]
+
+
+@pytest.mark.parametrize("lengths,tail,flags", [
+    pytest.param((10,), b"x" * 4, INLINE, id="inline-longer-than-frame"),
+    pytest.param((), b"", INLINE, id="inline-without-payload"),
+    pytest.param((INLINE_MAX + 1,), b"x" * (INLINE_MAX + 1), INLINE, id="inline-over-limit"),
+    pytest.param((1,), b"x", 0x02, id="unknown-flag"),
+    pytest.param((1,), b"x", 0xFF, id="all-flags"),
+])
+def test_bad_inline_headers_are_malformed(receiver, lengths, tail, flags):
+    header = raw_header(code=code_of(Kind.CALL), lengths=lengths, flags=flags) + tail
+    assert reason_of(receiver, forge(header)) == "malformed"
 
 
 def test_meta_only(sender, receiver):
@@ -168,11 +240,12 @@ def test_signature_is_hmac_sha256_over_header_then_payload(sender, receiver, siz
     above) agree with the documented definition, and verify accepts them."""
     payload = [b"a" * size, b"b" * 7]
     frames = sender.sign(Kind.CALL, payload, meta={"k": 1})
-    sig, header, rest = split(frames)
+    sig, body, rest = split(frames)
+    header = header_of(body, payload)
     expected = hmac.new(KEY, header + b"".join(payload), hashlib.sha256).digest()
     assert sig == expected
-    assert bytes(frames[0]) == expected + header  # the signature comes first, then the header
-    assert [bytes(p) for p in receiver.verify(join(sig, header, rest)).payload] == payload
+    assert bytes(frames[0]) == expected + body  # the signature comes first, then the header
+    assert [bytes(p) for p in receiver.verify(join(sig, body, rest)).payload] == payload
 
 
 @pytest.mark.parametrize("key_len", [16, 32, 63, 64, 65, 200])
@@ -185,7 +258,8 @@ def test_signature_equals_the_standard_hmac_for_any_key_length(key_len, payload)
     key = bytes(range(256))[:key_len] if key_len <= 256 else b""
     codec = Codec(key, "rank0")
     frames = codec.sign(Kind.RESULT, payload, call=3, meta={"ok": True} if payload else None)
-    sig, header, rest = split(frames)
+    sig, body, rest = split(frames)
+    header = header_of(body, payload)
     assert sig == hmac.new(key, header + b"".join(payload), hashlib.sha256).digest()
     assert Codec(key, "ctl").verify(frames).call == 3
 
@@ -203,10 +277,10 @@ def test_seq_increments_per_message(sender, receiver):
     assert seqs == [1, 2, 3, 4, 5]
 
 
-def test_header_is_not_pickled(sender):
-    _, header, _ = split(sender.sign(Kind.CALL, [b"p"], meta={"a": 1}))
+def test_header_is_not_pickled(separate):
+    _, header, _ = split(separate.sign(Kind.CALL, [b"p"], meta={"a": 1}))
     assert not header.startswith(b"\x80")  # no pickle protocol opcode
-    version, code, seq, call, slen, n = HEAD.unpack_from(header)
+    version, code, flags, seq, call, slen, n = HEAD.unpack_from(header)
     assert (version, code, seq, call, slen, n) == (VERSION, code_of(Kind.CALL), 1, 0, 3, 1)
     assert header.endswith(b'{"a":1}')
 
@@ -282,18 +356,18 @@ def test_header_without_signature_short_is_truncated(sender, receiver):
     assert receiver.verify(join(good, header)).header.seq == 1  # neither attempt used the seq
 
 
-def test_appended_payload_frame_fails_signature(sender, receiver):
-    frames = sender.sign(Kind.CALL, [b"p"])
+def test_appended_payload_frame_fails_signature(separate, receiver):
+    frames = separate.sign(Kind.CALL, [b"p"])
     assert reason_of(receiver, [*frames, b"extra"]) == "bad-signature"
 
 
-def test_swapped_payload_frames_fail_signature(sender, receiver):
-    first, a, b = sender.sign(Kind.CALL, [b"aaaa", b"bbbb"])
+def test_swapped_payload_frames_fail_signature(separate, receiver):
+    first, a, b = separate.sign(Kind.CALL, [b"aaaa", b"bbbb"])
     assert reason_of(receiver, [first, b, a]) == "bad-signature"
 
 
-def test_failed_verify_does_not_consume_the_seq(sender, receiver):
-    frames = sender.sign(Kind.CALL, [b"p"])
+def test_failed_verify_does_not_consume_the_seq(separate, receiver):
+    frames = separate.sign(Kind.CALL, [b"p"])
     with pytest.raises(ProtocolError):
         receiver.verify([frames[0], b"q"])
     assert receiver.verify(frames).header.seq == 1
@@ -313,8 +387,8 @@ def test_first_frame_shorter_than_signature_plus_head_is_truncated(receiver, len
     assert reason_of(receiver, [b"\x00" * length, b"payload"]) == "truncated"
 
 
-def test_first_frame_cut_anywhere_is_refused(sender, receiver):
-    frames = sender.sign(Kind.CALL, [b"abc"], call=3, meta={"m": 1})
+def test_first_frame_cut_anywhere_is_refused(separate, receiver):
+    frames = separate.sign(Kind.CALL, [b"abc"], call=3, meta={"m": 1})
     first = bytes(frames[0])
     for cut in range(len(first)):
         want = "truncated" if cut < MIN_FIRST else "bad-signature"
@@ -330,47 +404,47 @@ def test_first_frame_of_exactly_minimum_length_is_accepted(receiver):
     assert (msg.header.sender, msg.payload, msg.meta) == ("", [], {})
 
 
-def test_old_layout_is_refused(sender, receiver):
+def test_old_layout_is_refused(separate, receiver):
     # A correctly signed message in the previous layout [signature, header, *payload]
     # (a peer on the old wire format) is never accepted.
-    sig, header, payload = split(sender.sign(Kind.CALL, [b"p"], meta={"m": 1}))
+    sig, header, payload = split(separate.sign(Kind.CALL, [b"p"], meta={"m": 1}))
     assert reason_of(receiver, [sig, header, *payload]) == "truncated"
 
 
-def test_dropped_first_frame_is_refused(sender, receiver):
+def test_dropped_first_frame_is_refused(separate, receiver):
     # Only payload frames left: the first payload frame is read as signature + header.
-    frames = sender.sign(Kind.CALL, [b"x" * 100, b"y" * 5])
+    frames = separate.sign(Kind.CALL, [b"x" * 100, b"y" * 5])
     assert reason_of(receiver, frames[1:]) == "bad-signature"
-    frames = sender.sign(Kind.CALL, [b"x" * 10, b"y" * 5])
+    frames = separate.sign(Kind.CALL, [b"x" * 10, b"y" * 5])
     assert reason_of(receiver, frames[1:]) == "truncated"
 
 
-def test_dropped_payload_frame_fails_signature(sender, receiver):
-    frames = sender.sign(Kind.CALL, [b"aaa", b"bbb"])
+def test_dropped_payload_frame_fails_signature(separate, receiver):
+    frames = separate.sign(Kind.CALL, [b"aaa", b"bbb"])
     assert reason_of(receiver, frames[:-1]) == "bad-signature"
 
 
-def test_dropped_empty_payload_frame_is_truncated(sender, receiver):
+def test_dropped_empty_payload_frame_is_truncated(separate, receiver):
     # The signed bytes are the same without an empty frame; only the lengths
     # listed in the header catch it.
-    frames = sender.sign(Kind.CALL, [b"aaa", b""])
+    frames = separate.sign(Kind.CALL, [b"aaa", b""])
     assert reason_of(receiver, frames[:-1]) == "truncated"
 
 
-def test_moved_frame_boundary_is_truncated(sender, receiver):
+def test_moved_frame_boundary_is_truncated(separate, receiver):
     # Same concatenated bytes (valid HMAC) split differently: the signed
     # lengths in the header reject it.
-    first, a, b = sender.sign(Kind.CALL, [b"aaaa", b"bbbb"])
+    first, a, b = separate.sign(Kind.CALL, [b"aaaa", b"bbbb"])
     assert reason_of(receiver, [first, a + b[:2], b[2:]]) == "truncated"
     assert reason_of(receiver, [first, a + b]) == "truncated"
     assert receiver.verify([first, a, b]).header.seq == 1  # none of that consumed the seq
 
 
-def test_moved_header_payload_boundary_is_refused(sender, receiver):
+def test_moved_header_payload_boundary_is_refused(separate, receiver):
     # Signature + header and the first payload frame: moving bytes between them
     # keeps the HMAC input (header then payload) identical; the header must
     # then fail to parse or disagree with the frames.
-    first, a, b = sender.sign(Kind.CALL, [b'{}aaaa', b"bbbb"])  # payload that is a JSON object
+    first, a, b = separate.sign(Kind.CALL, [b'{}aaaa', b"bbbb"])  # payload that is a JSON object
     # payload bytes moved into the header (the header had no meta: it now "has" {})
     assert reason_of(receiver, [first + a[:2], a[2:], b]) == "truncated"
     assert reason_of(receiver, [first + a[:1], a[1:], b]) == "malformed"
@@ -378,13 +452,13 @@ def test_moved_header_payload_boundary_is_refused(sender, receiver):
     # header bytes moved into the payload (the lengths are cut short)
     assert reason_of(receiver, [first[:-1], first[-1:] + a, b]) == "malformed"
     assert reason_of(receiver, [first[:-16], first[-16:] + a, b]) == "malformed"
-    first, a = sender.sign(Kind.CALL, [b"aaaa"], meta={"m": 1})
+    first, a = separate.sign(Kind.CALL, [b"aaaa"], meta={"m": 1})
     assert reason_of(receiver, [first[:-1], first[-1:] + a]) == "malformed"
     assert reason_of(receiver, [first[:-7], first[-7:] + a]) == "truncated"  # whole meta moved
 
 
-def test_shortened_payload_frame_fails_signature(sender, receiver):
-    first, a = sender.sign(Kind.CALL, [b"aaaa"])
+def test_shortened_payload_frame_fails_signature(separate, receiver):
+    first, a = separate.sign(Kind.CALL, [b"aaaa"])
     assert reason_of(receiver, [first, a[:-1]]) == "bad-signature"
 
 
@@ -401,15 +475,15 @@ def test_header_lengths_differ_from_frames(receiver, claimed, actual):
 
 # -- size limits --------------------------------------------------------------
 
-def test_max_bytes(sender):
+def test_max_bytes(separate):
     small = Codec(KEY, "rank0", max_bytes=100)
-    assert small.verify(sender.sign(Kind.CALL, [b"x" * 60, b"y" * 40])).payload
-    assert reason_of(small, sender.sign(Kind.CALL, [b"x" * 60, b"y" * 41])) == "oversized"
+    assert small.verify(separate.sign(Kind.CALL, [b"x" * 60, b"y" * 40])).payload
+    assert reason_of(small, separate.sign(Kind.CALL, [b"x" * 60, b"y" * 41])) == "oversized"
 
 
 def test_oversized_checked_before_signature():
     small = Codec(KEY, "rank0", max_bytes=10)
-    frames = Codec(OTHER_KEY, "ctl").sign(Kind.CALL, [b"x" * 11])
+    frames = Codec(OTHER_KEY, "ctl", inline_max=-1).sign(Kind.CALL, [b"x" * 11])
     assert reason_of(small, frames) == "oversized"
 
 
@@ -432,11 +506,11 @@ def test_header_at_limit_is_accepted(receiver):
     assert len(receiver.verify(forge(header)).meta["pad"]) == pad
 
 
-def test_too_many_frames(sender, receiver):
-    ok = sender.sign(Kind.CALL, [b""] * (MAX_FRAMES - 1))
+def test_too_many_frames(separate, receiver):
+    ok = separate.sign(Kind.CALL, [b""] * (MAX_FRAMES - 1))
     assert len(ok) == MAX_FRAMES
     assert len(receiver.verify(ok).payload) == MAX_FRAMES - 1
-    too_many = sender.sign(Kind.CALL, [b""] * MAX_FRAMES)
+    too_many = separate.sign(Kind.CALL, [b""] * MAX_FRAMES)
     assert len(too_many) == MAX_FRAMES + 1
     assert reason_of(receiver, too_many) == "oversized"
 
@@ -446,7 +520,7 @@ def test_too_many_frames(sender, receiver):
 @pytest.mark.parametrize("header", [
     pytest.param(b"", id="empty"),
     pytest.param(b"\x01\x02", id="two-bytes"),
-    pytest.param(HEAD.pack(VERSION, 0, 1, 0, 3, 0)[:-1], id="short-struct"),
+    pytest.param(HEAD.pack(VERSION, 0, 0, 1, 0, 3, 0)[:-1], id="short-struct"),
 ])
 def test_signed_header_shorter_than_head_is_truncated(receiver, header):
     # Validly signed, but signature + header is shorter than SIGNATURE_BYTES + HEAD.size.
@@ -454,8 +528,8 @@ def test_signed_header_shorter_than_head_is_truncated(receiver, header):
 
 
 @pytest.mark.parametrize("header", [
-    pytest.param(HEAD.pack(VERSION, 0, 1, 0, 3, 0), id="sender-missing"),
-    pytest.param(HEAD.pack(VERSION, 0, 1, 0, 3, 0) + b"ct", id="sender-cut-short"),
+    pytest.param(HEAD.pack(VERSION, 0, 0, 1, 0, 3, 0), id="sender-missing"),
+    pytest.param(HEAD.pack(VERSION, 0, 0, 1, 0, 3, 0) + b"ct", id="sender-cut-short"),
     pytest.param(raw_header(meta=b"\x00garbage\xff"), id="garbage-after-struct"),
     pytest.param(raw_header(meta=b"not json"), id="non-json-meta"),
     pytest.param(raw_header(meta=b"[1, 2]"), id="list-meta"),
@@ -655,7 +729,7 @@ def test_bad_signature_never_unpickles(sender, receiver, evil_payload, monkeypat
     assert not marker.exists()
 
 
-def test_verify_never_unpickles_and_returns_payload_untouched(sender, receiver, evil_payload,
+def test_verify_never_unpickles_and_returns_payload_untouched(separate, receiver, evil_payload,
                                                               monkeypatch):
     marker, evil = evil_payload
 
@@ -665,7 +739,7 @@ def test_verify_never_unpickles_and_returns_payload_untouched(sender, receiver, 
     monkeypatch.setattr(pickle, "loads", no_unpickling)
     monkeypatch.setattr(pickle, "load", no_unpickling)
     monkeypatch.setattr(pickle, "Unpickler", no_unpickling)
-    frames = sender.sign(Kind.CALL, [evil])
+    frames = separate.sign(Kind.CALL, [evil])
     msg = receiver.verify(frames)
     assert not marker.exists()
     assert msg.payload[0] is frames[1]  # the very frame, not a copy or a decoding
@@ -675,10 +749,25 @@ def test_verify_never_unpickles_and_returns_payload_untouched(sender, receiver, 
     assert marker.exists()
 
 
-@pytest.mark.parametrize("mutate", ["header", "payload", "signature"])
-def test_tampered_evil_payload_never_unpickled(sender, receiver, evil_payload, mutate):
+def test_verify_never_unpickles_an_inline_payload(sender, receiver, evil_payload, monkeypatch):
     marker, evil = evil_payload
-    sig, header, (payload,) = split(sender.sign(Kind.CALL, [evil]))
+
+    def no_unpickling(*a, **k):
+        raise AssertionError("verify must not unpickle")
+
+    monkeypatch.setattr(pickle, "loads", no_unpickling)
+    monkeypatch.setattr(pickle, "Unpickler", no_unpickling)
+    frames = sender.sign(Kind.CALL, [evil])
+    assert len(frames) == 1
+    msg = receiver.verify(frames)
+    assert bytes(msg.payload[0]) == evil
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("mutate", ["header", "payload", "signature"])
+def test_tampered_evil_payload_never_unpickled(separate, receiver, evil_payload, mutate):
+    marker, evil = evil_payload
+    sig, header, (payload,) = split(separate.sign(Kind.CALL, [evil]))
     if mutate == "header":
         header = header[:-1] + bytes([header[-1] ^ 1])
     elif mutate == "payload":

@@ -37,6 +37,7 @@ from monarch_nb import Mesh, serialize
 from monarch_nb.errors import RankErrors, UsageError
 from monarch_nb.protocol import (
     HEAD,
+    INLINE_MAX,
     MAX_FRAMES,
     MAX_HEADER_BYTES,
     SIGNATURE_BYTES,
@@ -93,11 +94,11 @@ def _wait_dropped(mesh: Mesh, before: dict[str, int], total: int, timeout: float
 
 def _header(sender: bytes, *, kind: int = _KIND_CODE[Kind.HEARTBEAT], seq: int = 1, call: int = 0,
             lengths: tuple[int, ...] = (), meta: bytes = b"", version: int = VERSION,
-            nframes: int | None = None) -> bytes:
+            nframes: int | None = None, flags: int = 0) -> bytes:
     """A header laid out as protocol.py documents it, built by hand so that
     tests can make it wrong in exactly one way."""
     n = len(lengths) if nframes is None else nframes
-    return (HEAD.pack(version, kind, seq, call, len(sender), n) + sender
+    return (HEAD.pack(version, kind, flags, seq, call, len(sender), n) + sender
             + struct.pack(f"!{len(lengths)}Q", *lengths) + meta)
 
 
@@ -271,7 +272,8 @@ def test_replayed_message_is_dropped(mesh4: Mesh, attacker: Any) -> None:
 
 # -- 5. truncated and oversized -------------------------------------------------------------
 def test_signed_message_with_a_frame_removed_is_dropped(mesh4: Mesh, attacker: Any) -> None:
-    codec = Codec(mesh4._ctl.key, "x5.0.main")
+    # every payload frame a frame of its own (the layout of big payloads)
+    codec = Codec(mesh4._ctl.key, "x5.0.main", inline_max=-1)
     s = attacker("x5.0.main", mesh4._ctl.io.endpoint)
     before = mesh4.dropped
     frames = codec.sign(Kind.RESULT, [b"a" * 10, b"b" * 20], call=1, meta={"ok": True})
@@ -295,6 +297,15 @@ def test_signed_message_with_a_frame_removed_is_dropped(mesh4: Mesh, attacker: A
     s.send_multipart([first + p0, p1])
     delta = _wait_dropped(mesh4, before, 10)
     assert delta == {"bad-signature": 5, "truncated": 4, "malformed": 1}, delta
+    # A small payload 0 travels inside the first frame: cut out into a frame
+    # of its own (same signed bytes), or cut short, it is refused too.
+    inline = Codec(mesh4._ctl.key, "x5.0.main")
+    (first,) = inline.sign(Kind.RESULT, [b"\x80\x05N."], call=1)
+    first = bytes(first)
+    s.send_multipart([first[:-5], first[-5:]])
+    s.send_multipart([first[:-1]])
+    delta = _wait_dropped(mesh4, before, 12)
+    assert delta == {"bad-signature": 6, "truncated": 4, "malformed": 2}, delta
     _assert_alive(mesh4)
 
 
@@ -340,7 +351,8 @@ def test_oversized_messages_are_dropped(mesh1_1mib: Mesh, attacker: Any, zctx: z
     before = mesh.dropped
     s2 = attacker("big.1.main", ep)
     s2.send_multipart([os.urandom(32) + b"h" * 64, b"\0" * (600 << 10), b"\0" * (600 << 10)])
-    s2.send_multipart([os.urandom(32) + b"h" * (MAX_HEADER_BYTES + 1)])  # header too big
+    # a first frame longer than a header plus an inline payload may be
+    s2.send_multipart([os.urandom(32) + b"h" * (MAX_HEADER_BYTES + INLINE_MAX + 1)])
     s2.send_multipart([os.urandom(32) + b"h" * 64] + [b"x"] * MAX_FRAMES)  # too many frames
     assert _wait_dropped(mesh, before, 3) == {"oversized": 3}
 
@@ -368,8 +380,10 @@ def test_signed_but_malformed_headers_are_dropped(mesh4: Mesh, attacker: Any) ->
         ("malformed", _sign(key, _header(sender, meta=b"[1, 2, 3]"))),        # not an object
         ("malformed", _sign(key, _header(sender, meta=b"\xff\xfe"))),         # not UTF-8
         ("malformed", _sign(key, _header(sender, kind=200))),                 # unknown kind
-        ("malformed", _sign(key, HEAD.pack(VERSION, 0, 1, 0, 3, 0) + b"\xff\xfe\xfd")),  # sender
+        ("malformed", _sign(key, HEAD.pack(VERSION, 0, 0, 1, 0, 3, 0) + b"\xff\xfe\xfd")),  # sender
         ("malformed", _sign(key, _header(sender, nframes=3))),                # lengths missing
+        ("malformed", _sign(key, _header(sender, lengths=(10,), flags=1) + b"abc")),  # inline cut
+        ("malformed", _sign(key, _header(sender, lengths=(1,), flags=4) + b"a")),  # unknown flag
         ("truncated", _sign(key, b"\x01\x02")),                               # shorter than HEAD
         ("truncated", _sign(key, _header(sender)[:HEAD.size - 1])),            # by one byte
         ("truncated", _sign(key, _header(sender, lengths=(5,)), [b"1234"])),  # lengths disagree
