@@ -220,23 +220,57 @@ class Controller(Inspector, Recovery):
                meta: dict[str, Any] | None, output: CallOutput,
                hang_timeout: float | None = None) -> MeshFuture:
         """Start a call on ``ranks`` without waiting. Thread-safe."""
-        future, go = self._prepare(kind, ranks, payload, meta, output, hang_timeout)
-        self.io.call_soon(go)
-        return future
+        self._refuse_dead(ranks)
+        call_id = next(self._call_ids)
+        frames, elastic = self._sign_call(kind, payload, call_id, meta)
+        call = self._new_call(call_id, kind, ranks, meta, output, hang_timeout, frames, elastic)
+        self.io.call_soon(lambda: self._dispatch(call))
+        return call.future
 
     def call(self, kind: Kind, ranks: tuple[int, ...], payload: list[Any],
-             meta: dict[str, Any] | None, output: CallOutput,
+             meta: dict[str, Any] | None, output: CallOutput | None = None,
              timeout: float | None = None,
              on_future: Callable[[MeshFuture], None] | None = None,
              hang_timeout: float | None = None) -> MeshFuture:
         """Start a call and wait up to ``timeout`` for it, leading the I/O
         loop meanwhile (see IOLoop.leadership). Returns the future, done
         unless the timeout expired. ``on_future`` receives the future before
-        any waiting, so a Ctrl-C during the wait knows which call it hit."""
-        future, go = self._prepare(kind, ranks, payload, meta, output, hang_timeout)
-        if on_future is not None:
-            on_future(future)
-        self._wait_serving(future, timeout, go)
+        any waiting, so a Ctrl-C during the wait knows which call it hit.
+        ``output``: where the ranks' output goes (default: a CallOutput for
+        the calling cell or terminal).
+
+        The frames leave before the call's bookkeeping is made (future,
+        record, output), so the ranks start on it meanwhile: on two cores
+        that is a measurable part of a no-op call. No answer can be read
+        before this thread, which leads the loop, reads it."""
+        self._refuse_dead(ranks)
+        call_id = next(self._call_ids)
+        frames, elastic = self._sign_call(kind, payload, call_id, meta)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        io = self.io
+        io.lead()
+        try:
+            io.run_commands()  # earlier requests (restart, interrupt) go first
+            infos = [self.ranks[r] for r in ranks]
+            fast = infos and all(i.state in _SENDABLE for i in infos)
+            if fast:
+                io.send_many([i.main_id for i in infos], frames)
+            call = self._new_call(call_id, kind, ranks, meta, output or CallOutput(),
+                                  hang_timeout, frames, elastic)
+            if fast:
+                self._track(call, infos)
+            else:
+                self._dispatch(call)
+            future = call.future
+            if on_future is not None:
+                on_future(future)
+            self._lead_until(future, deadline)
+        finally:
+            io.unlead()
+        if not future.done() and not io.stopping and self.prompt_ready(call_id):
+            asked = time.monotonic()
+            self.serve_prompt(call_id)  # typing time does not count against the timeout
+            self._wait_serving(future, None if deadline is None else deadline - asked)
         return future
 
     def wait(self, future: MeshFuture, timeout: float | None = None) -> bool:
@@ -244,8 +278,7 @@ class Controller(Inspector, Recovery):
         self._wait_serving(future, timeout)
         return future.done()
 
-    def _wait_serving(self, future: MeshFuture, timeout: float | None,
-                      go: Callable[[], None] | None = None) -> None:
+    def _wait_serving(self, future: MeshFuture, timeout: float | None) -> None:
         """Lead the loop until ``future`` is done or the timeout passed;
         debugger prompts of the call are answered on the way, with the loop
         handed back meanwhile (heartbeats and pings go on while the user
@@ -253,15 +286,8 @@ class Controller(Inspector, Recovery):
         deadline = None if timeout is None else time.monotonic() + timeout
         io = self.io
         while True:
-            io.lead()  # as ``with io.leadership()``, which costs more per call
-            try:
-                if go is not None:
-                    io.run_commands()  # earlier requests (restart, interrupt) go first
-                    go()
-                    go = None
+            with io.leadership():
                 self._lead_until(future, deadline)
-            finally:
-                io.unlead()
             if future.done() or self.io.stopping or not self.prompt_ready(future.call_id):
                 return
             asked = time.monotonic()
@@ -277,7 +303,7 @@ class Controller(Inspector, Recovery):
     def _lead_until(self, future: MeshFuture, deadline: float | None) -> None:
         io, calls, call_id = self.io, self.calls, future.call_id
 
-        def answered() -> bool:
+        def answered() -> bool:  # after each message: a dict lookup, mostly
             return call_id not in calls and future.done()
 
         # ``call_id in calls`` first: a dict lookup, where done() takes a lock
@@ -292,11 +318,11 @@ class Controller(Inspector, Recovery):
                 return
             io.run_once(left if left < 0.1 else 0.1, answered)
 
-    def _prepare(self, kind: Kind, ranks: tuple[int, ...], payload: list[Any],
-                 meta: dict[str, Any] | None, output: CallOutput,
-                 hang_timeout: float | None = None) -> tuple[MeshFuture, Callable[[], None]]:
+    def _refuse_dead(self, ranks: tuple[int, ...]) -> None:
+        """A call to a rank that is gone for good is a usage error (raised
+        on the caller's thread)."""
         # DEAD is final only without respawn; otherwise it is the instant
-        # between a death and its respawn (this runs on the caller's thread)
+        # between a death and its respawn
         final = (RankState.FAILED, RankState.STOPPED) + (
             (RankState.DEAD,) if self.cfg.respawn == "off" else ())
         dead = [r for r in ranks if self.ranks[r].state in final]
@@ -308,46 +334,59 @@ class Controller(Inspector, Recovery):
                 f"rank {info.rank} is dead ({why}); select the live ranks with --ranks, "
                 f"or bring it back with %monarch restart {info.rank} (mesh.restart({info.rank}))"
             )
-        call_id = next(self._call_ids)
+
+    def _sign_call(self, kind: Kind, payload: list[Any], call_id: int,
+                   meta: dict[str, Any] | None) -> tuple[list[Any], bool]:
+        """The call's frames, signed once whatever the number of ranks (the
+        same frames go to each), and whether the call is elastic."""
+        if not (meta and meta.get("elastic")):
+            return self.codec.sign(kind, payload, call=call_id, meta=meta), False
+        if self.cfg.respawn == "off":
+            raise MonarchError("elastic calls need respawn: start the mesh with "
+                               "--respawn rank (the default) or all")
+        # the generation the call starts in: a rank that joined a later
+        # one came in mid-call and must take its state from a peer
+        meta = {**meta, "generation": self.generation}
+        return self.codec.sign(kind, payload, call=call_id, meta=meta), True
+
+    def _new_call(self, call_id: int, kind: Kind, ranks: tuple[int, ...],
+                  meta: dict[str, Any] | None, output: CallOutput,
+                  hang_timeout: float | None, frames: list[Any], elastic: bool) -> PendingCall:
         future = MeshFuture(call_id, ranks, self.interrupt)
         call = PendingCall(call_id, ranks, output, future, set(ranks))
         call.hang_timeout = self.cfg.hang_timeout if hang_timeout is None else hang_timeout
         if kind == Kind.EXEC and meta and meta.get("setup"):
             call.setup = {"code": meta["code"], "name": meta.get("name", "<setup>"), "setup": True}
-        # Signed once, whatever the number of ranks: the same frames go to each.
-        frames = self.codec.sign(kind, payload, call=call_id, meta=meta)
-        if meta and meta.get("elastic"):
-            # the generation the call starts in: a rank that joined a later
-            # one came in mid-call and must take its state from a peer
-            meta = {**meta, "generation": self.generation}
-            frames = self.codec.sign(kind, payload, call=call_id, meta=meta)
-            if self.cfg.respawn == "off":
-                raise MonarchError("elastic calls need respawn: start the mesh with "
-                                   "--respawn rank (the default) or all")
-            call.elastic, call.frames = True, frames
+        call.frames = frames
+        call.elastic = elastic
+        return call
 
-        def go() -> None:
-            infos = [self.ranks[r] for r in ranks]
-            if self.started and not all(i.state in _SENDABLE for i in infos):
-                waiting = (RankState.RESPAWNING, RankState.STARTING) + (
-                    (RankState.DEAD,) if self.cfg.respawn != "off" else ())
-                if any(i.state in waiting for i in infos):
-                    self.deferred.append(go)  # sent once the new process is ready
-                    return
-            self.calls[call_id] = call
-            call.progress_at = time.monotonic()
-            idents = []
+    def _dispatch(self, call: PendingCall) -> None:
+        """Send ``call`` (only while leading), or keep it until the ranks it
+        waits for are back; a rank that is gone answers with its death."""
+        infos = [self.ranks[r] for r in call.ranks]
+        if self.started and not all(i.state in _SENDABLE for i in infos):
+            waiting = (RankState.RESPAWNING, RankState.STARTING) + (
+                (RankState.DEAD,) if self.cfg.respawn != "off" else ())
+            if any(i.state in waiting for i in infos):
+                self.deferred.append(lambda: self._dispatch(call))  # once the process is ready
+                return
+        live = [i for i in infos if i.state not in _GONE]
+        self.io.send_many([i.main_id for i in live], call.frames)
+        self._track(call, live)
+        if len(live) < len(infos) or not live:
             for info in infos:
-                if info.state in (RankState.DEAD, RankState.FAILED, RankState.STOPPED):
+                if info.state in _GONE:
                     call.errors[info.rank] = self._died(info)
                     call.remaining.discard(info.rank)
-                    continue
-                info.state = RankState.BUSY
-                idents.append(info.main_id)
-            self.io.send_many(idents, frames)
             self._maybe_finish(call)
 
-        return future, go
+    def _track(self, call: PendingCall, sent_to: list[RankInfo]) -> None:
+        """``call`` was sent to ``sent_to``: answers are matched to it now."""
+        self.calls[call.call_id] = call
+        call.progress_at = time.monotonic()
+        for info in sent_to:
+            info.state = RankState.BUSY
 
     def interrupt(self, call_id: int) -> None:
         """Interrupt the ranks still running ``call_id`` (thread-safe); their
@@ -627,6 +666,7 @@ class Controller(Inspector, Recovery):
 
 
 _SENDABLE = (RankState.READY, RankState.BUSY)
+_GONE = (RankState.DEAD, RankState.FAILED, RankState.STOPPED)
 
 
 @functools.cache

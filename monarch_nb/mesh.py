@@ -378,7 +378,7 @@ class Mesh(_RankSet):
         ctl = self._live()
         issued: list[MeshFuture] = []
         try:
-            fut = ctl.call(kind, ranks, payload, meta, CallOutput(), timeout,
+            fut = ctl.call(kind, ranks, payload, meta, None, timeout,
                            on_future=issued.append, hang_timeout=hang_timeout)
             if not fut.done():
                 where = self._interrupt_and_settle(fut)

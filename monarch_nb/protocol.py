@@ -244,7 +244,10 @@ class Codec:
             raise ProtocolError("oversized", f"{n} frames")
         first = frames[0]
         if type(first) is not bytes:
-            first = _bytes(first)
+            try:
+                first = first.bytes  # a zmq.Frame (without importing zmq here)
+            except AttributeError:
+                first = bytes(first)
         if len(first) < _MIN_FIRST:
             raise ProtocolError("truncated", "first frame shorter than signature + header")
         body = first[SIGNATURE_BYTES:]  # header, then payload 0 if inline
@@ -332,12 +335,3 @@ class Codec:
         outer = self._outer.copy()
         outer.update(inner.digest())
         return outer.digest()
-
-
-def _bytes(frame: Any) -> bytes:
-    if isinstance(frame, bytes):
-        return frame
-    b = getattr(frame, "bytes", None)  # zmq.Frame without importing zmq here
-    if b is not None:
-        return b
-    return bytes(frame)

@@ -375,23 +375,31 @@ class IOLoop:
     def _drain_router(self, until: Callable[[], bool] | None = None) -> None:
         recv = self.router.recv
         verify, on_message, dropped = self.codec.verify, self._on_message, self.dropped
+        idents = self._idents
         # Bounded so commands and ticks are not starved. Frames are read one
         # by one because a Frame knows whether more follow: recv_multipart
         # asks the socket with a getsockopt per frame, and pyzmq's
         # getsockopt builds an enum each time (measurable on the no-op path,
-        # more than the one zmq.Again that ends the drain).
+        # more than the one zmq.Again that ends the drain). The routing id
+        # comes as bytes: a ROUTER always has the message's frames after it.
         for _ in range(1000):
             try:
-                frame = recv(_NOBLOCK, copy=False)
+                ident = recv(_NOBLOCK)
             except zmq.Again:
                 return
+            try:
+                frame = recv(_NOBLOCK, copy=False)
+            except zmq.Again:  # cannot happen (a message has a frame); never block here
+                continue
             frames = [frame]
             while frame.more:
                 frame = recv(0, copy=False)
                 frames.append(frame)
-            ident = frames[0].bytes
+            sender = idents.get(ident)
+            if sender is None:
+                sender = self._ident_str(ident)
             try:
-                msg = verify(frames[1:], expected_sender=self._ident_str(ident))
+                msg = verify(frames, expected_sender=sender)
             except Exception as exc:  # never let a message kill the I/O thread
                 if not isinstance(exc, ProtocolError):
                     exc = ProtocolError("malformed", f"{type(exc).__name__}: {exc}")
