@@ -225,7 +225,11 @@ class Codec:
             self._sender_b
         if meta:
             header += json.dumps(meta, separators=(",", ":")).encode()
-        return [self._mac(header) + header]
+        inner = self._inner.copy()  # _mac, inlined: most messages take this path
+        inner.update(header)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return [outer.digest() + header]
 
     # -- incoming ---------------------------------------------------------
     def verify(self, frames: Sequence[Any], expected_sender: str | None = None) -> Message:
@@ -253,10 +257,14 @@ class Codec:
         body = first[SIGNATURE_BYTES:]  # header, then payload 0 if inline
         if len(body) > _MAX_BODY:
             raise ProtocolError("oversized", "header")
-        if n == 1:  # most messages: everything in one frame
+        if n == 1:  # most messages: everything in one frame (_mac, inlined)
             rest: list[Any] = []
             sizes: tuple[int, ...] = ()
-            digest = self._mac(body)
+            inner = self._inner.copy()
+            inner.update(body)
+            outer = self._outer.copy()
+            outer.update(inner.digest())
+            digest = outer.digest()
         else:
             rest = list(frames[1:])
             sizes = tuple([memoryview(p).nbytes for p in rest])
@@ -282,7 +290,8 @@ class Codec:
                 if len(self._senders) < 1024:  # bounded: senders are few and known
                     self._senders[body[_HEAD_SIZE:pos]] = sender
             if nframes:
-                lengths = _lengths(nframes).unpack_from(body, pos)
+                lengths = (_LENGTHS[nframes] if nframes < 9 else _lengths(nframes)).unpack_from(
+                    body, pos)
                 pos += 8 * nframes
             else:
                 lengths = ()

@@ -204,9 +204,9 @@ class Worker:
             # kept for %monarch debug, as the interactive interpreter keeps it
             sys.last_exc, sys.last_type, sys.last_value, sys.last_traceback = (  # type: ignore[attr-defined]
                 exc, type(exc), exc, exc.__traceback__)
-        if isinstance(sys.stdout, RankStream):
-            sys.stdout.flush()
         n_out, tail = self.output.finish()
+        if (n_out or tail) and isinstance(sys.stdout, RankStream):
+            sys.stdout.flush()  # into the rank's log file too (%monarch logs)
         # mnb.log points: the rest goes on this socket ahead of the RESULT;
         # batches the control thread sent are counted like output chunks.
         n_m, points = self.metrics.finish()
