@@ -98,6 +98,7 @@ _HEAD_SIZE = HEAD.size
 _MIN_FIRST = SIGNATURE_BYTES + HEAD.size
 _MAX_BODY = MAX_HEADER_BYTES + INLINE_MAX
 _compare_digest = hmac.compare_digest
+_new_message = object.__new__
 _LENGTHS = [struct.Struct(f"!{n}Q") for n in range(9)]
 
 
@@ -151,15 +152,21 @@ class ReplayWindow:
         self._seen: set[int] = set()
 
     def check_and_add(self, seq: int) -> bool:
+        if seq > self.highest:  # the newest so far (the usual case): never seen
+            self._add_newest(seq)
+            return True
         if seq <= self.highest - self.size or seq in self._seen:
             return False
         self._seen.add(seq)
-        if seq > self.highest:
-            self.highest = seq
-            if len(self._seen) > 2 * self.size:
-                floor = self.highest - self.size
-                self._seen = {s for s in self._seen if s > floor}
         return True
+
+    def _add_newest(self, seq: int) -> None:
+        seen = self._seen
+        seen.add(seq)
+        self.highest = seq
+        if len(seen) > 2 * self.size:
+            floor = seq - self.size
+            self._seen = {s for s in seen if s > floor}
 
 
 class Codec:
@@ -242,10 +249,11 @@ class Codec:
         nothing in the payload has been interpreted by then.
         """
         n = len(frames)
-        if n < 1:
-            raise ProtocolError("truncated", "no frame")
-        if n > MAX_FRAMES:
-            raise ProtocolError("oversized", f"{n} frames")
+        if n != 1:
+            if n < 1:
+                raise ProtocolError("truncated", "no frame")
+            if n > MAX_FRAMES:
+                raise ProtocolError("oversized", f"{n} frames")
         first = frames[0]
         if type(first) is not bytes:
             try:
@@ -317,10 +325,20 @@ class Codec:
         window = self._windows.get(sender)
         if window is None:
             window = self._windows[sender] = ReplayWindow()
-        if not window.check_and_add(seq):
+        if seq > window.highest:  # ReplayWindow.check_and_add's usual case, inlined
+            seen = window._seen
+            seen.add(seq)
+            window.highest = seq
+            if len(seen) > 2 * window.size:
+                window._add_newest(seq)  # prunes
+        elif not window.check_and_add(seq):
             raise ProtocolError("replay", f"{sender} #{seq}")
-        payload = [body[end:], *rest] if flags else rest
-        return Message(kind, sender, seq, call, meta, lengths, version, payload)
+        # Message(...) without its __init__: built for every message
+        msg = _new_message(Message)
+        msg.kind, msg.sender, msg.seq, msg.call, msg.meta = kind, sender, seq, call, meta
+        msg.lengths, msg.version = lengths, version
+        msg.payload = [body[end:], *rest] if flags else rest
+        return msg
 
     def forget(self, sender: str) -> None:
         """Drop the replay window of a sender that is gone for good."""
