@@ -7,7 +7,8 @@ and to ipyparallel, all measured in the same run on this machine.
 What it measures (see benchmarks/README.md):
 
 * raw ZeroMQ floor: ``<repo>/../shared/bench/zmq_floor.py --ranks N --json`` and
-  ``--ranks 1`` run as subprocesses (before and after the rest; medians of the runs);
+  ``--ranks 1`` run as subprocesses (before, between the no-op and the push
+  measurements, and after the rest; medians of the runs);
 * monarch_nb: no-op ``mesh.run(NOOP)`` to all N ranks and to one rank
   (``mesh[0].run``), 64 MiB ``mesh.push`` of a numpy array and of a torch tensor,
   cold start of ``Mesh.start(n=N, backend="cpu")``;
@@ -301,6 +302,12 @@ def main() -> int:
                     store[key] = {"median": med(xs) * 1e6, "min": min(xs) * 1e6,
                                   "p90": statistics.quantiles(xs, n=10)[-1] * 1e6 if len(xs) > 10 else None,
                                   "n": len(xs), "samples": [round(x * 1e6, 1) for x in xs]}
+
+        # ---- floor, middle pass: under the no-op rounds' conditions (the
+        # mesh and the cluster alive and idle), so one noisy floor run
+        # before or after cannot skew the ratio alone
+        if have_floor:
+            floor_pass(N, floor_calls, order, res)
 
         # ---- 64 MiB pushes, round-robin
         pushes: dict[str, tuple[dict[str, Any], str, Callable[[], Any], int]] = {}

@@ -243,7 +243,9 @@ class Controller(Inspector, Recovery):
         record, output), so the ranks start on it meanwhile: on two cores
         that is a measurable part of a no-op call. No answer can be read
         before this thread, which leads the loop, reads it."""
-        self._refuse_dead(ranks)
+        infos = [self.ranks[r] for r in ranks]
+        if not all(i.state in _SENDABLE for i in infos):
+            self._refuse_dead(ranks)
         call_id = next(self._call_ids)
         frames, elastic = self._sign_call(kind, payload, call_id, meta)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -251,7 +253,7 @@ class Controller(Inspector, Recovery):
         io.lead()
         try:
             io.run_commands()  # earlier requests (restart, interrupt) go first
-            infos = [self.ranks[r] for r in ranks]
+            # (again: those may have changed a rank's state)
             fast = infos and all(i.state in _SENDABLE for i in infos)
             if fast:
                 io.send_many([i.main_id for i in infos], frames)

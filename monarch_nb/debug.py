@@ -85,6 +85,7 @@ class RelayStdin(io.TextIOBase):
         self._take_prompt = take_prompt
         self._main = main_thread_id
         self._answers: queue.Queue[str] = queue.Queue()
+        self.answered = False  # an answer came since the last reset (checked per call)
 
     def readable(self) -> bool:
         return True
@@ -95,11 +96,12 @@ class RelayStdin(io.TextIOBase):
     def answer(self, text: str) -> None:
         """Control thread: the line the user typed (``None`` ends input)."""
         self._answers.put(text)
+        self.answered = True
 
     def reset(self) -> None:
-        """A new call starts: answers meant for an earlier one are stale."""
-        if not self._answers.qsize():  # the usual case, without raising Empty
-            return
+        """A new call starts: answers meant for an earlier one are stale.
+        (The worker skips this while ``answered`` is False.)"""
+        self.answered = False
         while True:
             try:
                 self._answers.get_nowait()

@@ -63,6 +63,9 @@ class MetricsBuffer:
         self.call = 0
         self.batches = 0  # batches the control thread took for ``call``
         self.thinned = 0  # points left out of over-full batches (see MAX_BATCH)
+        # set by the first log(): until then a call skips begin/finish (the
+        # worker's no-op path does not pay for a feature it does not use)
+        self.used = False
 
     def log(self, step: int | None, metrics: dict[str, Any]) -> None:
         if step is None:
@@ -73,6 +76,7 @@ class MetricsBuffer:
         for name, value in metrics.items():
             if type(value) is not float:
                 metrics[name] = _as_float(name, value)
+        self.used = True
         self._q.append((step, metrics))
 
     @property
@@ -185,6 +189,7 @@ def log(step: int | None = None, **metrics: Any) -> None:
     for name, value in metrics.items():
         if type(value) is not float:
             metrics[name] = _as_float(name, value)
+    buf.used = True
     buf._q.append((step, metrics))
 
 

@@ -174,10 +174,13 @@ class Worker:
         leftover = self.output.begin(call)
         if leftover:
             self._send_main(Kind.OUTPUT, [_json(leftover)], call=0, meta={"n": -1})
-        self.stdin.reset()
-        left = self.metrics.begin(call)  # logged between calls (by a user thread)
-        if left:
-            self._send_main(Kind.METRICS, [metrics.encode(left)], meta={"n": -1})
+        if self.stdin.answered:  # only after a debugger session
+            self.stdin.reset()
+        mbuf = self.metrics
+        if mbuf.used:  # only once mnb.log was called in this process
+            left = mbuf.begin(call)  # logged between calls (by a user thread)
+            if left:
+                self._send_main(Kind.METRICS, [metrics.encode(left)], meta={"n": -1})
         self.running_call = call
         generation = msg.meta.get("generation", 0)
         if _context._state.get("call_generation") != generation:
@@ -209,7 +212,9 @@ class Worker:
             sys.stdout.flush()  # into the rank's log file too (%monarch logs)
         # mnb.log points: the rest goes on this socket ahead of the RESULT;
         # batches the control thread sent are counted like output chunks.
-        n_m, points = self.metrics.finish()
+        # (mbuf.used may have turned True during this call: its points then
+        # go ahead of the RESULT, uncounted, as if logged between calls)
+        n_m, points = mbuf.finish() if mbuf.used else (0, [])
         if points:
             self._send_main(Kind.METRICS, [metrics.encode(points)], call=call, meta={"n": -1})
         # Defaults (ok, no chunks) are left out: a plain success carries no
