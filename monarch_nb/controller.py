@@ -113,6 +113,7 @@ class Controller(Inspector, Recovery):
         self.setup_cells: list[dict[str, Any]] = []  # --setup cells, replayed on respawn
         self.deferred: list[Callable[[], None]] = []  # calls waiting for respawning ranks
         self.awaiting_reform: dict[int, float] = {}  # survivor -> deadline to answer REFORM
+        self.reform_probes: dict[int, float] = {}  # survivor -> when to ask where it is
         self.started = False
         self.stopped = False
         self.announce: Callable[[str], None] | None = None

@@ -102,6 +102,11 @@ class PendingCall:
 
 
 REFORM_GRACE_S = 3.0  # an elastic survivor must answer a re-formation within this
+# ...but one still inside a collective of the old group this long after the
+# REFORM is stuck there (a peer that failed out of the collective left it
+# waiting; the ones next to the dead rank fail out within ~0.2 s): its
+# stacks are asked for then, and it is replaced at once if so
+REFORM_PROBE_S = 0.75
 
 
 def _free_port() -> int:

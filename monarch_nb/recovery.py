@@ -22,7 +22,15 @@ from .futures import MeshFuture
 from .output import CallOutput
 from .policy import GiveUp, Kill, Reform, Report, Respawn, RestartRequested
 from .protocol import Kind
-from .rankstate import REFORM_GRACE_S, Event, PendingCall, RankInfo, RankState, _free_port
+from .rankstate import (
+    REFORM_GRACE_S,
+    REFORM_PROBE_S,
+    Event,
+    PendingCall,
+    RankInfo,
+    RankState,
+    _free_port,
+)
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -97,7 +105,9 @@ class Recovery(_Base):
                 # errors within ~0.2 s), then re-forms
                 self.io.send(info.main_id, frames)
                 if info.state == RankState.BUSY:
-                    self.awaiting_reform[rank] = time.monotonic() + REFORM_GRACE_S
+                    now = time.monotonic()
+                    self.awaiting_reform[rank] = now + REFORM_GRACE_S
+                    self.reform_probes[rank] = now + REFORM_PROBE_S
         self.events.append(Event(time.time(), -1, 0, "reformed",
                                  f"generation {action.generation}, ranks {list(action.ranks)}"))
 
@@ -122,6 +132,13 @@ class Recovery(_Base):
 
     def _check_reforms(self, now: float) -> None:
         """Members told to re-form that did not answer in time."""
+        for rank, probe_at in list(self.reform_probes.items()):
+            if rank not in self.awaiting_reform:
+                del self.reform_probes[rank]
+            elif now > probe_at:
+                # where is it? the STACKS_REPLY replaces it if in a collective
+                del self.reform_probes[rank]
+                self.io.send(self.ranks[rank].ctl_id, self.codec.sign(Kind.STACKS))
         for rank, answer_by in list(self.awaiting_reform.items()):
             if now > answer_by:
                 info = self.ranks[rank]
