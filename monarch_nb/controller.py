@@ -416,12 +416,6 @@ class Controller(Inspector, Recovery):
         info.last_heartbeat = time.monotonic()
         kind = msg.kind
         if kind is Kind.RESULT:
-            if not msg.meta and not msg.payload:  # a no-op's answer: the fast path
-                call = self.calls.get(msg.call)
-                if call is not None and info.rank in call.remaining:
-                    call.results[info.rank] = None
-                    self._rank_done(call, info)
-                return
             self._on_result(info, msg)
         elif kind == Kind.OUTPUT:
             self._on_output(info, msg)
@@ -501,18 +495,21 @@ class Controller(Inspector, Recovery):
         call = self.calls.get(msg.call)
         if call is None or info.rank not in call.remaining:
             return
-        # empty meta: a success without output or metrics (the usual case)
-        if msg.meta and call.chunks_seen.get(info.rank, 0) < _announced(msg):
+        if not msg.meta:  # a plain success: no output, no chunks to wait for, no error
+            payload = msg.payload
+            try:
+                call.results[info.rank] = serialize.loads(payload) if payload else None
+            except serialize.SerializationError as exc:
+                call.errors[info.rank] = _unloadable(info.rank, exc)
+            self._rank_done(call, info)
+            return
+        if call.chunks_seen.get(info.rank, 0) < _announced(msg):
             call.held[info.rank] = msg  # output chunks still on their way
             return
         self._complete_rank(call, info, msg)
 
     def _complete_rank(self, call: PendingCall, info: RankInfo, msg: Message) -> None:
         payload, meta = msg.payload, msg.meta
-        if not meta:  # a plain success: nothing to print, nothing went wrong
-            call.results[info.rank] = serialize.loads(payload) if payload else None
-            self._rank_done(call, info)
-            return
         if meta.get("o") and payload:
             for stream, text in decode_items(payload[0]):
                 call.output.feed(info.rank, stream, text)
@@ -521,9 +518,7 @@ class Controller(Inspector, Recovery):
             try:
                 call.results[info.rank] = serialize.loads(payload) if payload else None
             except serialize.SerializationError as exc:
-                call.errors[info.rank] = RemoteError(
-                    info.rank, "SerializationError",
-                    f"the result arrived but cannot be rebuilt in the kernel: {exc}", "")
+                call.errors[info.rank] = _unloadable(info.rank, exc)
         else:
             err = msg.meta.get("error") or {}
             call.errors[info.rank] = RemoteError(
@@ -678,6 +673,11 @@ def _rank_results() -> type:
     from .mesh import RankResults
 
     return RankResults
+
+
+def _unloadable(rank: int, exc: Exception) -> RemoteError:
+    return RemoteError(rank, "SerializationError",
+                       f"the result arrived but cannot be rebuilt in the kernel: {exc}", "")
 
 
 def _announced(result: Message) -> int:

@@ -98,7 +98,6 @@ _HEAD_SIZE = HEAD.size
 _MIN_FIRST = SIGNATURE_BYTES + HEAD.size
 _MAX_BODY = MAX_HEADER_BYTES + INLINE_MAX
 _compare_digest = hmac.compare_digest
-_new_message = object.__new__
 _LENGTHS = [struct.Struct(f"!{n}Q") for n in range(9)]
 
 
@@ -152,21 +151,18 @@ class ReplayWindow:
         self._seen: set[int] = set()
 
     def check_and_add(self, seq: int) -> bool:
-        if seq > self.highest:  # the newest so far (the usual case): never seen
-            self._add_newest(seq)
-            return True
-        if seq <= self.highest - self.size or seq in self._seen:
-            return False
-        self._seen.add(seq)
-        return True
-
-    def _add_newest(self, seq: int) -> None:
         seen = self._seen
+        if seq > self.highest:  # the newest so far (the usual case): never seen
+            seen.add(seq)
+            self.highest = seq
+            if len(seen) > 2 * self.size:
+                floor = seq - self.size
+                self._seen = {s for s in seen if s > floor}
+            return True
+        if seq <= self.highest - self.size or seq in seen:
+            return False
         seen.add(seq)
-        self.highest = seq
-        if len(seen) > 2 * self.size:
-            floor = seq - self.size
-            self._seen = {s for s in seen if s > floor}
+        return True
 
 
 class Codec:
@@ -232,11 +228,7 @@ class Codec:
             self._sender_b
         if meta:
             header += json.dumps(meta, separators=(",", ":")).encode()
-        inner = self._inner.copy()  # _mac, inlined: most messages take this path
-        inner.update(header)
-        outer = self._outer.copy()
-        outer.update(inner.digest())
-        return [outer.digest() + header]
+        return [self._mac(header) + header]
 
     # -- incoming ---------------------------------------------------------
     def verify(self, frames: Sequence[Any], expected_sender: str | None = None) -> Message:
@@ -265,14 +257,10 @@ class Codec:
         body = first[SIGNATURE_BYTES:]  # header, then payload 0 if inline
         if len(body) > _MAX_BODY:
             raise ProtocolError("oversized", "header")
-        if n == 1:  # most messages: everything in one frame (_mac, inlined)
+        if n == 1:  # most messages: everything in one frame
             rest: list[Any] = []
             sizes: tuple[int, ...] = ()
-            inner = self._inner.copy()
-            inner.update(body)
-            outer = self._outer.copy()
-            outer.update(inner.digest())
-            digest = outer.digest()
+            digest = self._mac(body)
         else:
             rest = list(frames[1:])
             sizes = tuple([memoryview(p).nbytes for p in rest])
@@ -325,20 +313,10 @@ class Codec:
         window = self._windows.get(sender)
         if window is None:
             window = self._windows[sender] = ReplayWindow()
-        if seq > window.highest:  # ReplayWindow.check_and_add's usual case, inlined
-            seen = window._seen
-            seen.add(seq)
-            window.highest = seq
-            if len(seen) > 2 * window.size:
-                window._add_newest(seq)  # prunes
-        elif not window.check_and_add(seq):
+        if not window.check_and_add(seq):
             raise ProtocolError("replay", f"{sender} #{seq}")
-        # Message(...) without its __init__: built for every message
-        msg = _new_message(Message)
-        msg.kind, msg.sender, msg.seq, msg.call, msg.meta = kind, sender, seq, call, meta
-        msg.lengths, msg.version = lengths, version
-        msg.payload = [body[end:], *rest] if flags else rest
-        return msg
+        payload = [body[end:], *rest] if flags else rest
+        return Message(kind, sender, seq, call, meta, lengths, version, payload)
 
     def forget(self, sender: str) -> None:
         """Drop the replay window of a sender that is gone for good."""

@@ -43,7 +43,6 @@ from . import _context, config, debug, metrics, serialize, spare
 from .backends import JoinAborted, init_group
 from .capture import OutputBuffer, RankStream
 from .config import RankEnv
-from .errors import ProtocolError
 from .health import HealthProbe
 from .protocol import Codec, Kind, Message
 from .transport import dealer, recv_verified, send_frames, socket_send
@@ -134,25 +133,13 @@ class Worker:
 
     # -- main thread -----------------------------------------------------------
     def serve(self) -> None:
-        # recv_verified, inlined: this loop is the rank's idle state
-        recv, verify = self.main_sock.recv, self.main_codec.verify
-        pending, dropped = self.pending, self.dropped
+        sock, codec, pending, dropped = self.main_sock, self.main_codec, self.pending, self.dropped
         while not self.stopping:
             try:
-                if pending:
-                    msg = pending.popleft()
-                else:
-                    frame = recv(0, copy=False)
-                    frames = [frame]
-                    while frame.more:
-                        frame = recv(0, copy=False)
-                        frames.append(frame)
-                    try:
-                        msg = verify(frames)
-                    except ProtocolError as exc:
-                        dropped[exc.reason] += 1
-                        continue
+                msg = pending.popleft() if pending else recv_verified(sock, codec, dropped)
             except KeyboardInterrupt:  # a stray interrupt while idle
+                continue
+            if msg is None:
                 continue
             kind = msg.kind
             if kind is Kind.CALL or kind is Kind.EXEC:

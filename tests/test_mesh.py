@@ -165,6 +165,24 @@ def test_unpicklable_argument_and_result(healthy: Mesh) -> None:
         healthy.run(42)  # type: ignore[arg-type]
 
 
+def test_result_the_kernel_cannot_rebuild_is_an_error_not_a_hang(healthy: Mesh) -> None:
+    # An instance of a class from a module only the ranks have: it pickles
+    # there (by reference) and cannot be unpickled in the kernel. With and
+    # without output, so both result paths of the controller are crossed.
+    make = """
+import sys, types
+mod = types.ModuleType("mnb_rank_only_module")
+exec("class Thing:\\n    pass", mod.__dict__)
+mod.Thing.__module__ = "mnb_rank_only_module"
+sys.modules["mnb_rank_only_module"] = mod
+"""
+    healthy.exec(make)
+    for code in ("mod.Thing()", "print('hi'); mod.Thing()"):
+        with pytest.raises(RankErrors, match="cannot be rebuilt in the kernel"):
+            healthy.exec(code, timeout=30)
+    assert healthy.run(lambda: 3) == dict.fromkeys(range(4), 3)
+
+
 def test_output_arrives_before_the_result(healthy: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
     def chatty() -> int:
         for i in range(3):
