@@ -275,10 +275,7 @@ class IOLoop:
     def send(self, ident: bytes, frames: Sequence[Any]) -> None:
         """Send now; only call while leading (handlers, commands, or inside
         :meth:`leadership`)."""
-        try:
-            send_frames(self.router, [ident, *frames])
-        except zmq.ZMQError as exc:  # peer gone: the supervisor reports deaths
-            log.debug("send to %r failed: %s", ident, exc)
+        self.send_many((ident,), frames)
 
     def send_many(self, idents: Sequence[bytes], frames: Sequence[Any]) -> None:
         """The same frames to each of ``idents`` (a call to several ranks:
