@@ -31,7 +31,8 @@ from typing import Any
 
 # Files whose frames are the rank's machinery, not the user's code.
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_MACHINERY = tuple(os.path.join(_HERE, f) for f in ("worker.py", "serialize.py", "debug.py"))
+_MACHINERY = tuple(os.path.join(_HERE, f)
+                   for f in ("worker.py", "serialize.py", "debug.py", "transport.py"))
 CONTROL_THREAD = "monarch-nb-control"
 
 Frame = list[Any]  # [filename, lineno, function, source line]

@@ -61,7 +61,8 @@ def test_stacks_of_a_deadlocked_group_and_stop(mesh3: Mesh) -> None:
     # wait until rank 1 sleeps and the others are in the collective
     def settled() -> object:
         st = mesh3.stacks()
-        return st if len(st.groups()) == 2 and st[0].collective() else None
+        in_cell = st[0].collective() and st[2].collective() and "stuck_here" in st[1].where()
+        return st if in_cell else None
 
     st = wait_for(settled, timeout=30, interval=0.2, what="two groups of stacks")
     summary = st.summary()
