@@ -96,7 +96,7 @@ _pack_head = HEAD.pack
 _unpack_head = HEAD.unpack_from
 _HEAD_SIZE = HEAD.size
 _MIN_FIRST = SIGNATURE_BYTES + HEAD.size
-_MAX_BODY = MAX_HEADER_BYTES + INLINE_MAX
+_MAX_FIRST = SIGNATURE_BYTES + MAX_HEADER_BYTES + INLINE_MAX
 _compare_digest = hmac.compare_digest
 _LENGTHS = [struct.Struct(f"!{n}Q") for n in range(9)]
 
@@ -182,6 +182,9 @@ class Codec:
         self.sender = sender
         self._sender_b = sender.encode()
         self._sender_len = len(self._sender_b)
+        # the header of a message with no or one payload frame, own id included
+        self._pack_own = struct.Struct(f"{HEAD.format}{self._sender_len}s").pack
+        self._pack_one = struct.Struct(f"{HEAD.format}{self._sender_len}sQ").pack
         self._senders: dict[bytes, str] = {}  # decoded sender ids, by their bytes
         self.max_bytes = max_bytes
         self.inline_max = min(inline_max, INLINE_MAX)
@@ -208,27 +211,37 @@ class Codec:
     ) -> list[Buffer]:
         """Frames ready to send: ``[signature + header + payload[0], *payload[1:]]``
         when ``payload[0]`` is small (``INLINE``), else ``[signature + header, *payload]``."""
-        if payload:
+        seq = next(self._seq)
+        extra = json.dumps(meta, separators=(",", ":")).encode() if meta else b""
+        if not payload:
+            header = self._pack_own(VERSION, _CODES[kind], 0, seq, call, self._sender_len, 0,
+                                    self._sender_b)
+            if extra:
+                header += extra
+            return [self._mac(header) + header]
+        n = len(payload)
+        if n == 1:  # most calls and results: one struct for the whole header
+            length = memoryview(payload[0]).nbytes
+            inline = length <= self.inline_max
+            header = self._pack_one(VERSION, _CODES[kind], INLINE if inline else 0, seq, call,
+                                    self._sender_len, 1, self._sender_b, length)
+            total = length
+        else:
             lengths = [memoryview(p).nbytes for p in payload]
-            n = len(lengths)
             inline = lengths[0] <= self.inline_max
-            header = b"".join([
-                _pack_head(VERSION, _CODES[kind], INLINE if inline else 0, next(self._seq), call,
-                           self._sender_len, n),
-                self._sender_b, _lengths(n).pack(*lengths),
-                json.dumps(meta, separators=(",", ":")).encode() if meta else b""])
-            if not inline:
-                return [self._digest(header, payload, sum(lengths)) + header, *payload]
-            body = b"".join([header, payload[0]])
-            if n == 1:
-                return [self._mac(body) + body]
-            rest = payload[1:]
-            return [self._digest(body, rest, sum(lengths) - lengths[0]) + body, *rest]
-        header = _pack_head(VERSION, _CODES[kind], 0, next(self._seq), call, self._sender_len, 0) + \
-            self._sender_b
-        if meta:
-            header += json.dumps(meta, separators=(",", ":")).encode()
-        return [self._mac(header) + header]
+            header = b"".join([_pack_head(VERSION, _CODES[kind], INLINE if inline else 0, seq, call,
+                                          self._sender_len, n),
+                               self._sender_b, _lengths(n).pack(*lengths)])
+            total = sum(lengths)
+        if extra:
+            header += extra
+        if not inline:
+            return [self._digest(header, payload, total) + header, *payload]
+        body = b"".join([header, payload[0]])
+        if n == 1:
+            return [self._mac(body) + body]
+        rest = payload[1:]
+        return [self._digest(body, rest, total - lengths[0]) + body, *rest]
 
     # -- incoming ---------------------------------------------------------
     def verify(self, frames: Sequence[Any], expected_sender: str | None = None) -> Message:
@@ -252,11 +265,12 @@ class Codec:
                 first = first.bytes  # a zmq.Frame (without importing zmq here)
             except AttributeError:
                 first = bytes(first)
-        if len(first) < _MIN_FIRST:
+        size = len(first)
+        if size < _MIN_FIRST:
             raise ProtocolError("truncated", "first frame shorter than signature + header")
-        body = first[SIGNATURE_BYTES:]  # header, then payload 0 if inline
-        if len(body) > _MAX_BODY:
+        if size > _MAX_FIRST:
             raise ProtocolError("oversized", "header")
+        body = first[SIGNATURE_BYTES:]  # header, then payload 0 if inline
         if n == 1:  # most messages: everything in one frame
             rest: list[Any] = []
             sizes: tuple[int, ...] = ()
@@ -278,7 +292,7 @@ class Codec:
             if flags & ~INLINE:
                 raise ValueError(f"unknown flags {flags:#x}")
             pos = _HEAD_SIZE + slen
-            if pos > len(body):
+            if pos > size - SIGNATURE_BYTES:
                 raise ValueError("the sender id runs past the header")
             sender = self._senders.get(body[_HEAD_SIZE:pos])
             if sender is None:
@@ -291,16 +305,19 @@ class Codec:
                 pos += 8 * nframes
             else:
                 lengths = ()
-            end = len(body)
+            end = size - SIGNATURE_BYTES
             if flags:  # INLINE: payload 0 is the end of this frame
                 if not nframes or lengths[0] > INLINE_MAX or end - lengths[0] < pos:
                     raise ValueError("inline payload does not fit the first frame")
                 end -= lengths[0]
-            if end > MAX_HEADER_BYTES:
-                raise ProtocolError("oversized", "header")
-            meta = json.loads(body[pos:end]) if end > pos else {}
-            if type(meta) is not dict:
-                raise TypeError("meta is not an object")
+            if end > pos:
+                if end > MAX_HEADER_BYTES:
+                    raise ProtocolError("oversized", "header")
+                meta = json.loads(body[pos:end])
+                if type(meta) is not dict:
+                    raise TypeError("meta is not an object")
+            else:
+                meta = {}
             kind = _BY_CODE[code]
         except ProtocolError:
             raise
@@ -315,8 +332,8 @@ class Codec:
             window = self._windows[sender] = ReplayWindow()
         if not window.check_and_add(seq):
             raise ProtocolError("replay", f"{sender} #{seq}")
-        payload = [body[end:], *rest] if flags else rest
-        return Message(kind, sender, seq, call, meta, lengths, version, payload)
+        return Message(kind, sender, seq, call, meta, lengths, version,
+                       [body[end:], *rest] if flags else rest)
 
     def forget(self, sender: str) -> None:
         """Drop the replay window of a sender that is gone for good."""
