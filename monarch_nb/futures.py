@@ -17,6 +17,7 @@ from concurrent.futures import _base
 from typing import Any
 
 _DONE = (_base.CANCELLED, _base.CANCELLED_AND_NOTIFIED, _base.FINISHED)
+_FINISHED = _base.FINISHED
 
 
 class MeshFuture(concurrent.futures.Future):
@@ -40,6 +41,13 @@ class MeshFuture(concurrent.futures.Future):
         # moves forward, and reading one attribute is atomic. The blocking
         # call path asks this several times per call.
         return self._state in _DONE
+
+    def result(self, timeout: float | None = None) -> Any:
+        # Lock-free once finished with a value, for the same reason as done();
+        # everything else (waiting, errors, cancellation) is Future.result's.
+        if self._state == _FINISHED and self._exception is None:
+            return self._result
+        return super().result(timeout)
 
     def cancel(self) -> bool:
         if self.done():

@@ -81,7 +81,7 @@ class Event:
     detail: str = ""
 
 
-@dataclass
+@dataclass(slots=True)  # made for every call: slots make that and each access cheaper
 class PendingCall:
     call_id: int
     ranks: tuple[int, ...]
