@@ -17,6 +17,7 @@ on frames that the protocol layer has verified.
 from __future__ import annotations
 
 import dis
+import functools
 import io
 import linecache
 import os
@@ -252,6 +253,7 @@ def _fingerprint(fn: Any) -> tuple[Any, ...] | None:
 _MISSING = object()
 
 
+@functools.lru_cache(maxsize=1024)  # per code object: asked on every call of a function
 def _global_names(code: types.CodeType) -> tuple[str, ...]:
     names = list(code.co_names)
     for const in code.co_consts:
