@@ -175,24 +175,32 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _stop_pid_file(path: str) -> None:
-    try:
-        pid = int(Path(path).read_text().strip())
-    except (OSError, ValueError):
-        return
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+def _stop_pid_files(paths: list[str]) -> None:
+    """SIGTERM every daemon at once, then wait for all of them (each takes a
+    few seconds to save its state; one after the other they took ~9 s)."""
+    pids = []
+    for path in paths:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
+            pid = int(Path(path).read_text().strip())
+            os.kill(pid, signal.SIGTERM)
+        except (OSError, ValueError):
+            continue
+        pids.append(pid)
+    deadline = time.monotonic() + 10
+    while pids and time.monotonic() < deadline:
+        pids = [pid for pid in pids if _exists(pid)]
         time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @contextlib.contextmanager
@@ -255,8 +263,7 @@ def slurm_cluster(nodes: int = 2) -> Iterator[Slurm]:
             time.sleep(0.2)
         yield Slurm(conf, env, names, folder)
     finally:
-        for pid_file in reversed(pid_files):
-            _stop_pid_file(pid_file)
+        _stop_pid_files(pid_files)
         shutil.rmtree(folder, ignore_errors=True)
 
 
