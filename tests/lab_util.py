@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -27,6 +28,15 @@ import pytest
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def screenshot_path(name: str) -> pathlib.Path:
+    """Where a browser test saves its screenshot: over the README's image in
+    docs/ when ``MNB_SCREENSHOTS=1``, else in a temporary folder, so that a
+    test run leaves the checkout as it found it."""
+    if os.environ.get("MNB_SCREENSHOTS") == "1":
+        return ROOT / "docs" / name
+    return pathlib.Path(tempfile.gettempdir()) / "mnb-screenshots" / name
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 

@@ -15,11 +15,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from .lab_util import CHROMIUM, CHROMIUM_ARGS, ROOT, jupyter_lab, need_browser
+from .lab_util import CHROMIUM, CHROMIUM_ARGS, ROOT, jupyter_lab, need_browser, screenshot_path
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(420)]
 
-SCREENSHOT = ROOT / "docs" / "dashboard.png"
+SCREENSHOT = screenshot_path("dashboard.png")
 
 CELLS = [
     "%load_ext monarch_nb\n%monarch start -n 4 --backend cpu",
@@ -88,7 +88,7 @@ def test_dashboard_in_jupyterlab(lab: tuple[str, str]) -> None:
             assert "loss" in page.locator(".mnb-dash select").inner_text()
             time.sleep(1.0)
             assert points() > first  # still moving while the cell blocks the kernel
-            SCREENSHOT.parent.mkdir(exist_ok=True)
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             page.locator(".mnb-dash").first.screenshot(path=str(SCREENSHOT))
             assert SCREENSHOT.stat().st_size > 10_000
             # the cells finish (the last one stops the mesh)

@@ -24,12 +24,20 @@ from collections.abc import Iterator
 import pytest
 
 from .conftest import wait_for, worker_pids
-from .lab_util import CHROMIUM, CHROMIUM_ARGS, IN_CI, ROOT, jupyter_lab, need_browser
+from .lab_util import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    IN_CI,
+    ROOT,
+    jupyter_lab,
+    need_browser,
+    screenshot_path,
+)
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(420)]
 
 BUILD = ROOT / "monarch_nb" / "labextension"
-SCREENSHOT = ROOT / "docs" / "lab-extension.png"
+SCREENSHOT = screenshot_path("lab-extension.png")
 CELLS = [
     "%load_ext monarch_nb\n%monarch start -n 4 --backend cpu --no-dashboard",
     # a busy kernel: the kill and the end of the cell wait for the test's go
@@ -152,7 +160,7 @@ def test_status_bar_and_panel(lab: tuple[str, str, pathlib.Path]) -> None:
                 news.first.click()
                 expect(news).to_have_count(0)
             panel.evaluate("el => { el.scrollLeft = 0; el.scrollTop = 0; }")
-            SCREENSHOT.parent.mkdir(exist_ok=True)
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(SCREENSHOT))
 
             run_cell(2)
