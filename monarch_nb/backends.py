@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -225,6 +226,34 @@ def init_group(backend: str, rank: int, world_size: int, addr: str = "127.0.0.1"
             os.environ["GLOO_SOCKET_IFNAME"] = iface
     dist.init_process_group("gloo", **kwargs)
     return "cpu"
+
+
+def leave_group() -> None:
+    """Destroy this rank's torch.distributed group, if any, so that it is
+    freed: gloo closes a group's connections only when the group object goes
+    away, and until then a peer waiting in a collective on this rank stays
+    stuck there (one that fails out of a collective after a member died
+    releases the others like this, each in turn)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    group = dist.distributed_c10d._get_default_group()
+    dist.destroy_process_group()
+    _forget_group(group)
+
+
+def _forget_group(group: Any) -> None:
+    """torch.distributed.nn.functional binds ``group=group.WORLD`` when it is
+    imported, which the first ``backward()`` does, after the group formed:
+    its functions' defaults would keep the destroyed group alive (and aim
+    those functions at it after a re-formation). They get ``None``, the
+    current default group, instead."""
+    module = sys.modules.get("torch.distributed.nn.functional")
+    for fn in vars(module).values() if module is not None else ():
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(d is group for d in defaults):
+            fn.__defaults__ = tuple(None if d is group else d for d in defaults)
 
 
 def interface_towards(addr: str) -> str | None:

@@ -40,7 +40,7 @@ from typing import Any
 import zmq
 
 from . import _context, config, debug, metrics, serialize, spare
-from .backends import JoinAborted, init_group
+from .backends import JoinAborted, init_group, leave_group
 from .capture import OutputBuffer, RankStream
 from .config import RankEnv
 from .health import HealthProbe
@@ -246,7 +246,14 @@ class Worker:
     def await_reform(self, timeout: float = 300.0) -> int:
         """For mnb.elastic, on the main thread inside a call: wait for the
         controller's REFORM, join the new group, return its generation.
-        Other messages that arrive meanwhile are kept, in order."""
+        Other messages that arrive meanwhile are kept, in order.
+
+        The old group is left at once, not when the REFORM comes: gloo then
+        closes its connections, so a peer still waiting in a collective on
+        this rank fails out of it too (and re-forms) instead of staying stuck
+        until the controller replaces its process. Survivors of a ring
+        release one another like this, each in turn."""
+        leave_group()
         deadline = time.monotonic() + timeout
         newest = self._take_reforms()  # it may already be here
         if newest is not None:
@@ -302,10 +309,7 @@ class Worker:
         self._send_main(Kind.REFORMED, meta={"generation": generation, "joining": True})
         error = ""
         try:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            leave_group()
             os.environ["MASTER_PORT"] = str(port)
             os.environ["MONARCH_NB_GENERATION"] = str(generation)
             init_group(self.env.backend, self.env.rank, self.env.world_size,

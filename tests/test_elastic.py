@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from monarch_nb import Mesh, MonarchError, elastic
+from monarch_nb.errors import RankDied, RankErrors
 
 TRAIN = """
 import torch, torch.distributed as dist, monarch_nb as mnb
@@ -54,6 +55,47 @@ def test_training_survives_a_kill_and_matches_the_unfaulted_run() -> None:
         # the mesh is an ordinary mesh afterwards
         assert mesh.exec("import torch.distributed as dist\nx = torch.ones(1)\n"
                          "dist.all_reduce(x)\nx.item()") == {r: 4.0 for r in range(4)}
+
+
+RELEASE = """
+import time, torch, torch.distributed as dist, monarch_nb as mnb
+from monarch_nb import chaos
+from monarch_nb.backends import leave_group
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+start = time.monotonic()
+try:
+    for step in range(64):
+        x = torch.randn(8, 4)
+        opt.zero_grad()
+        ((model(x) - x.sum(1, keepdim=True)) ** 2).mean().backward()
+        for p in model.parameters():  # two collectives a step: some survivors get stuck
+            dist.all_reduce(p.grad)
+        opt.step()
+        start = time.monotonic()
+        chaos.die_at(step, 5, rank=0)
+except Exception:
+    pass  # out of the except block before leaving, as mnb.elastic.run does
+leave_group()
+time.monotonic() - start
+"""
+
+
+def test_a_survivor_that_leaves_the_group_releases_the_ones_stuck_on_it() -> None:
+    """After a death, gloo fails only the survivors reading from the dead
+    rank; the others wait on those survivors, and are released (fail out of
+    the collective) only when those leave their group and it is freed, which
+    the first backward() used to prevent (torch.distributed.nn keeps the
+    group in its functions' defaults). No respawn here, so nothing but that
+    release can end the collective: without it the call times out."""
+    with Mesh.start(n=4, backend="cpu", respawn="off") as mesh:
+        with pytest.raises(RankErrors) as info:
+            mesh.exec(RELEASE, timeout=30)
+        err = info.value
+        assert set(err.errors) == {0} and isinstance(err.errors[0], RankDied), err.errors
+        assert sorted(err.results) == [1, 2, 3]
+        assert all(seconds < 20 for seconds in err.results.values()), err.results
 
 
 def test_elastic_needs_respawn() -> None:
