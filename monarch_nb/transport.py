@@ -332,6 +332,13 @@ class IOLoop:
     def _run(self) -> None:
         lead = self._lead
         while not self._stopping:
+            if self._want:
+                # A caller is blocked on the lock: never race it. Taking the
+                # lock back at once (it is free only for an instant) could
+                # starve that caller under load, and with it a Ctrl-C that
+                # the kernel delivered to this thread instead of the main one.
+                time.sleep(LINGER_S)
+                continue
             idle = time.monotonic() - self._released_at
             if idle < LINGER_S:
                 time.sleep(LINGER_S - idle)
