@@ -412,6 +412,11 @@ def run(argv: Sequence[str] | None = None, prog: str = "python -m monarch_nb.lau
         raise KeyboardInterrupt
 
     old_term = signal.signal(signal.SIGTERM, on_term)
+    # Python leaves SIGINT ignored when it starts ignored, as it does for a
+    # shell's background job (`launch ... &` in a script, a CI runner): a
+    # `kill -INT` would then leave the whole mesh running. Like torchrun, the
+    # launcher takes SIGINT itself whatever it inherited.
+    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     live = not ns.no_status and sys.stderr.isatty()
     term = Terminal(live)
     mesh = None
@@ -434,15 +439,15 @@ def run(argv: Sequence[str] | None = None, prog: str = "python -m monarch_nb.lau
         term.line(f"monarch_nb: {exc}")
         code = 2 if isinstance(exc, UsageError) else 1
     finally:
-        if mesh is not None:
-            # a second Ctrl-C must not leave ranks behind: stop is not interruptible
-            old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            try:
+        try:
+            if mesh is not None:
+                # a second Ctrl-C must not leave ranks behind: stop is not interruptible
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 mesh.stop()
-            finally:
-                signal.signal(signal.SIGINT, old_int)
-        signal.signal(signal.SIGTERM, old_term)
+        finally:
+            signal.signal(signal.SIGINT, old_int)
+            signal.signal(signal.SIGTERM, old_term)
     return code
 
 

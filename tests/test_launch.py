@@ -162,14 +162,26 @@ def test_respawn_off_reports_the_death(tmp_path: Path) -> None:
     assert "rank 0: exited with code 7 (exit 7)" in res.stderr
 
 
-def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
+def _as_background_job() -> None:
+    # what `sh -c 'launch ... &'` (a script, a CI runner) does to a job: Python
+    # then starts with SIGINT ignored and never raises KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("started", ["foreground", "background"])
+def test_ctrl_c_stops_every_rank(tmp_path: Path, started: str) -> None:
     script = tmp_path / "sleepy.py"
     script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(600)\n")
     out = tmp_path / "out.txt"
+    # the foreground case also starts with SIGINT at its default when this
+    # test itself runs as a background job
+    pre = _as_background_job if started == "background" else \
+        (lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     with open(out, "w") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "monarch_nb.launch", "--backend", "cpu", "-n", "2", str(script)],
-            stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=tmp_path)
+            stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=tmp_path, preexec_fn=pre)
     try:
         text = wait_for(lambda: out.read_text().count("pid ") >= 2 and out.read_text(),
                         timeout=60, what="both ranks running the script")
