@@ -180,7 +180,7 @@ class Controller(Calls, Inspector, Recovery):
         info.last_heartbeat = info.started_at
         self._by_ident[info.main_id] = info
         self._by_ident[info.ctl_id] = info
-        self._event(info, "started", f"pid {proc.pid}")
+        self._event(info, "started", f"pid {proc.pid}" + (", from a spare" if proc.from_spare else ""))
         if proc.pidfd is not None:
             self.io.watch_fd(proc.pidfd, lambda: self._on_exit(info.rank, proc))
 
@@ -400,6 +400,7 @@ class Controller(Calls, Inspector, Recovery):
             if info.silent_for is not None:
                 cause = "missed heartbeats"
             self._apply(self.policy.handle(Died(rank, time.monotonic(), cause, info.incarnation)))
+            self._keep_spare(time.monotonic())  # a backoff started: use the wait
         self._notify()
 
     def _announce(self, line: str) -> None:

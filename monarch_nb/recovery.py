@@ -205,13 +205,17 @@ class Recovery(_Base):
             go()  # re-defers itself if a target is still respawning
 
     def _keep_spare(self, now: float) -> None:
-        """Start a spare process once the mesh has been settled for a while:
-        not during start-up or a recovery, whose CPU it would slow."""
+        """Start a spare process once the mesh has been settled for a while
+        (not during start-up or a recovery, whose CPU it would slow), or at
+        once while a dead rank waits out its respawn backoff: that wait is
+        idle time, and the spare, however far it got, becomes that rank."""
         sup = self.supervisor
         if sup.spare is not None and sup.spare.poll() is not None:
             sup.spare = None  # it died (out of memory?); another one later
-        if (self.cfg.spare and self.started and sup.spare is None
-                and now - self.settled_at >= SPARE_DELAY_S
+        if not (self.cfg.spare and self.started and sup.spare is None):
+            return
+        if self.policy.next_deadline() is not None or (
+                now - self.settled_at >= SPARE_DELAY_S
                 and all(r.state in (RankState.READY, RankState.BUSY) for r in self.ranks)):
             sup.start_spare()
 

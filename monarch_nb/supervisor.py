@@ -40,6 +40,7 @@ class RankProcess:
     log_path: str
     pidfd: int | None = None
     reaped: bool = False
+    from_spare: bool = False  # a spare process became this rank (torch already imported)
 
     @property
     def pid(self) -> int:
@@ -134,13 +135,14 @@ class Supervisor:
                 popen = candidate
             else:
                 spare.discard(candidate)
+        from_spare = popen is not None
         if popen is None:
             log = open(log_path, "ab", buffering=0)
             try:
                 popen = self.launcher.start(rank, env, log)
             finally:
                 log.close()
-        proc = RankProcess(rank, incarnation, popen, log_path)
+        proc = RankProcess(rank, incarnation, popen, log_path, from_spare=from_spare)
         from .transport import pidfd_open
 
         proc.pidfd = pidfd_open(popen.pid)

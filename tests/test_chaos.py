@@ -96,6 +96,11 @@ def test_repeated_kills_past_the_budget_mark_the_rank_failed() -> None:
         for inc in (1, 2):
             mesh.kill(1)
             wait_for(lambda inc=inc: _back(mesh, 1, inc), timeout=60, what=f"incarnation {inc}")
+        # the second death waited out a backoff, and a spare process started
+        # meanwhile became incarnation 2 (the first was respawned at once)
+        started = {e["incarnation"]: e["detail"] for e in mesh.events
+                   if e["kind"] == "started" and e["rank"] == 1}
+        assert "from a spare" in started[2], started
         mesh.kill(1)  # the third death within the window: over a budget of 2
         wait_for(lambda: mesh.status()[1]["state"] == "failed", timeout=30, what="rank 1 failed")
         gave_up = [e for e in mesh.events if e["kind"] == "gave_up"]
