@@ -103,7 +103,7 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/metrics.py
 
 lint: venv
-	$(PY) -m ruff check monarch_nb
+	$(PY) -m ruff check monarch_nb tests benchmarks scripts
 	$(PY) -m mypy
 
 clean:

@@ -33,8 +33,9 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -105,7 +106,7 @@ def floor_pass(ranks: int, calls: int, order: list[int], res: dict[str, Any]) ->
             log(f"floor --ranks {n}: noop median {r['noop_median_us']} us, "
                 f"push {r['push_mib_per_s_aggregate']} MiB/s ({time.perf_counter() - t:.1f} s)")
             res["floor"]["runs"].setdefault(str(n), []).append(r)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log(f"floor --ranks {n} failed: {exc}")
             res["errors"].append(f"floor ranks={n}: {exc}")
 
@@ -120,7 +121,7 @@ def mesh_start(n: int, res: dict[str, Any]) -> tuple[Any, float]:
         t = time.perf_counter()
         try:
             mesh = Mesh.start(n=n, backend="cpu")
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             res["errors"].append(f"monarch_nb Mesh.start attempt {attempt}: {type(exc).__name__}: {exc}")
             log(f"monarch_nb Mesh.start failed (attempt {attempt}): {exc}")
             if attempt == 2:
@@ -149,12 +150,12 @@ def _ipp_stop(cluster: Any, rc: Any) -> None:
     if rc is not None:
         try:
             rc.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
     if cluster is not None:
         try:
             cluster.stop_cluster_sync()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log(f"ipyparallel stop_cluster_sync failed: {exc}")
 
 
@@ -217,7 +218,7 @@ def main() -> int:
         import monarch_nb
         have_mnb = True
         M["version"] = getattr(monarch_nb, "__version__", "?")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         have_mnb = False
         res["errors"].append(f"import monarch_nb: {type(exc).__name__}: {exc}")
         print(f"monarch_nb import failed: {type(exc).__name__}: {exc}")
@@ -245,7 +246,7 @@ def main() -> int:
                         mesh = m
                     else:
                         m.stop()
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     have_mnb = False
                     res["errors"].append(f"monarch_nb start: {type(exc).__name__}: {exc}")
             if have_ipp:
@@ -258,7 +259,7 @@ def main() -> int:
                         cluster, rc = c, r
                     else:
                         _ipp_stop(c, r)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     have_ipp = False
                     res["errors"].append(f"ipyparallel start: {type(exc).__name__}: {exc}")
                     log(f"ipyparallel start failed: {exc}")
@@ -278,7 +279,7 @@ def main() -> int:
             for name, (_, _, fn, total) in targets.items():
                 try:
                     timed(fn, max(20, total // 10))
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     res["errors"].append(f"warm-up {name}: {type(exc).__name__}: {exc}")
             samples: dict[str, list[float]] = {k: [] for k in targets}
             failed: set[str] = set()
@@ -292,7 +293,7 @@ def main() -> int:
                         timed(fn, 5)  # re-warm after the other system's block
                         gc.collect()
                         samples[name] += timed(fn, per)
-                    except Exception as exc:  # noqa: BLE001
+                    except Exception as exc:
                         failed.add(name)
                         res["errors"].append(f"no-op {name}: {type(exc).__name__}: {exc}")
                         log(f"no-op {name} failed: {exc}")
@@ -326,7 +327,7 @@ def main() -> int:
             for name, (_, _, fn, _) in pushes.items():
                 try:
                     fn()
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     pfailed.add(name)
                     res["errors"].append(f"push {name}: {type(exc).__name__}: {exc}")
                     log(f"push {name} failed: {exc}")
@@ -338,7 +339,7 @@ def main() -> int:
                     try:
                         gc.collect()
                         psamples[name] += timed(fn, 1)
-                    except Exception as exc:  # noqa: BLE001
+                    except Exception as exc:
                         pfailed.add(name)
                         res["errors"].append(f"push {name}: {type(exc).__name__}: {exc}")
                         log(f"push {name} failed: {exc}")
@@ -354,14 +355,14 @@ def main() -> int:
                 if rc is not None and "ipp_numpy" not in pfailed:
                     rc[:].execute("_bench_n = int(x.nbytes)", block=True)
                     P["push_check"] = str(rc[:].pull("_bench_n", block=True))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 res["errors"].append(f"push check: {type(exc).__name__}: {exc}")
     finally:
         log("stopping mesh / cluster")
         if mesh is not None:
             try:
                 mesh.stop()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 log(f"mesh.stop failed: {exc}")
         _ipp_stop(cluster, rc)
 
@@ -432,7 +433,7 @@ def main() -> int:
         is_s = label.startswith("cold")
         cells = [fmt(fl, is_s), fmt(mn, is_s), fmt(ip, is_s)]
         if mins is not None:
-            cells = [c if m is None else f"{c} (min {fmt(m)})" for c, m in zip(cells, mins)]
+            cells = [c if m is None else f"{c} (min {fmt(m)})" for c, m in zip(cells, mins, strict=True)]
         # monarch/floor: plain value ratio (time: >1 = slower than floor;
         # throughput: fraction of the floor). vs ipyparallel: >1 = monarch_nb better.
         vs_ipp = ratio(mn, ip) if higher else ratio(ip, mn)

@@ -48,13 +48,13 @@ def test_training_survives_a_kill_and_matches_the_unfaulted_run() -> None:
         for rank in range(4):
             params, steps = faulted[rank]
             assert steps == 60
-            assert all(torch.equal(a, b) for a, b in zip(params, clean[rank][0])), rank
+            assert all(torch.equal(a, b) for a, b in zip(params, clean[rank][0], strict=True)), rank
         kinds = [(e["rank"], e["kind"]) for e in mesh.events]
         assert (1, "died") in kinds and (1, "respawned") in kinds and (-1, "reformed") in kinds
         assert mesh.status()[1]["incarnation"] >= 1
         # the mesh is an ordinary mesh afterwards
         assert mesh.exec("import torch.distributed as dist\nx = torch.ones(1)\n"
-                         "dist.all_reduce(x)\nx.item()") == {r: 4.0 for r in range(4)}
+                         "dist.all_reduce(x)\nx.item()") == dict.fromkeys(range(4), 4.0)
 
 
 RELEASE = """
@@ -117,7 +117,7 @@ def test_state_commit_and_rollback_without_processes() -> None:
     state.history.append("x")
     state.rollback()
     assert state.step == 0 and state.history == []
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     state.step = 7
     state.commit()
     state.step = 9
@@ -177,7 +177,7 @@ def test_soak_twenty_kills_during_one_training_run() -> None:
         clean = mesh.exec(SOAK.replace("{KILLS}", "{}"), elastic=True, timeout=300)
         faulted = mesh.exec(SOAK.replace("{KILLS}", repr(kills)), elastic=True, timeout=900)
         for rank in range(4):
-            assert all(torch.equal(a, b) for a, b in zip(faulted[rank], clean[rank])), rank
+            assert all(torch.equal(a, b) for a, b in zip(faulted[rank], clean[rank], strict=True)), rank
         deaths = [e for e in mesh.events if e["kind"] == "died"]
         assert len(deaths) == 20, [(e["rank"], e["detail"]) for e in deaths]
         assert not [e for e in mesh.events if e["kind"] == "gave_up"]

@@ -316,7 +316,7 @@ def test_killed_rank_is_respawned_into_a_new_group() -> None:
         res = mesh.run(_all_reduce_sum, timeout=90)
         assert res == {0: 6.0, 1: 6.0, 2: 6.0}
         assert mesh.run(mnb.incarnation) == {0: 0, 1: 1, 2: 0}
-        assert mesh.exec("float(weights.sum())") == {r: 28.0 for r in range(3)}
+        assert mesh.exec("float(weights.sum())") == dict.fromkeys(range(3), 28.0)
         row = mesh.status()[1]
         assert row["state"] == "ready" and row["pid"] != old_pid and row["incarnation"] == 1
         kinds = [(e["rank"], e["kind"]) for e in mesh.events]
@@ -327,7 +327,7 @@ def test_killed_rank_is_respawned_into_a_new_group() -> None:
         # a deliberate restart of every rank
         mesh.restart("all")
         assert mesh.run(mnb.incarnation, timeout=90) == {0: 1, 1: 2, 2: 1}
-        assert mesh.run(_all_reduce_sum) == {r: 6.0 for r in range(3)}
+        assert mesh.run(_all_reduce_sum) == dict.fromkeys(range(3), 6.0)
 
 
 def test_frozen_rank_is_detected_by_missing_heartbeats() -> None:
@@ -416,4 +416,4 @@ def test_survivors_stuck_in_a_collective_never_hang() -> None:
         assert all(isinstance(errs[r], MembershipChanged) for r in (0, 2, 3)), errs
         # (the respawned rank 1 has a fresh namespace: import what the cell uses)
         assert mesh.exec("import torch, torch.distributed as dist\nx = torch.ones(1)\n"
-                         "dist.all_reduce(x)\nx.item()", timeout=60) == {r: 4.0 for r in range(4)}
+                         "dist.all_reduce(x)\nx.item()", timeout=60) == dict.fromkeys(range(4), 4.0)

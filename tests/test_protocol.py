@@ -258,7 +258,7 @@ def test_signature_equals_the_standard_hmac_for_any_key_length(key_len, payload)
     key = bytes(range(256))[:key_len] if key_len <= 256 else b""
     codec = Codec(key, "rank0")
     frames = codec.sign(Kind.RESULT, payload, call=3, meta={"ok": True} if payload else None)
-    sig, body, rest = split(frames)
+    sig, body, _rest = split(frames)
     header = header_of(body, payload)
     assert sig == hmac.new(key, header + b"".join(payload), hashlib.sha256).digest()
     assert Codec(key, "ctl").verify(frames).call == 3
@@ -280,7 +280,7 @@ def test_seq_increments_per_message(sender, receiver):
 def test_header_is_not_pickled(separate):
     _, header, _ = split(separate.sign(Kind.CALL, [b"p"], meta={"a": 1}))
     assert not header.startswith(b"\x80")  # no pickle protocol opcode
-    version, code, flags, seq, call, slen, n = HEAD.unpack_from(header)
+    version, code, _flags, seq, call, slen, n = HEAD.unpack_from(header)
     assert (version, code, seq, call, slen, n) == (VERSION, code_of(Kind.CALL), 1, 0, 3, 1)
     assert header.endswith(b'{"a":1}')
 

@@ -362,7 +362,7 @@ def test_oversized_messages_are_dropped(mesh1_1mib: Mesh, attacker: Any, zctx: z
 
 def test_result_over_the_limit_gives_a_clear_error(mesh1_1mib: Mesh) -> None:
     fut = mesh1_1mib.run_async(lambda: b"x" * (2 << 20))
-    with pytest.raises(RankErrors, match="(?i)max_message_bytes|too large|limit"):
+    with pytest.raises(RankErrors, match=r"(?i)max_message_bytes|too large|limit"):
         mesh1_1mib.wait(fut, timeout=10)
 
 

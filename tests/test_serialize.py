@@ -37,7 +37,7 @@ def same_tensor(a: torch.Tensor, b: torch.Tensor) -> None:
 
 def test_lambda_with_closure():
     k = 3
-    f = lambda x: x + k
+    f = lambda x: x + k  # noqa: E731 (a lambda is the point)
     assert roundtrip(f)(2) == 5
 
 
@@ -236,7 +236,7 @@ def test_nested_containers_of_tensors():
     assert len(frames) == 1 + 4  # one frame per large buffer
     assert frame_size(frames[0]) < 4096
     out = loads(as_bytes(frames))
-    for a, b in zip(obj["params"], out["params"]):
+    for a, b in zip(obj["params"], out["params"], strict=True):
         same_tensor(a, b)
     same_tensor(big[2], out["nested"][0]["deep"][0])
     same_tensor(torch.arange(5), out["nested"][0]["deep"][1])
