@@ -177,6 +177,10 @@ class Controller(Calls, Inspector, Recovery):
         info.pid = proc.pid
         info.state = RankState.STARTING
         info.started_at = time.monotonic()
+        # a new process owes no answer to a REFORM sent to the one it replaces
+        # (probed anyway, it would be "stuck" in its first collective)
+        self.awaiting_reform.pop(info.rank, None)
+        self.reform_probes.pop(info.rank, None)
         info.last_heartbeat = info.started_at
         self._by_ident[info.main_id] = info
         self._by_ident[info.ctl_id] = info
