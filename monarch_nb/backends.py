@@ -126,6 +126,11 @@ class JoinAborted(RuntimeError):
     """A re-formation was given up because a newer one superseded it."""
 
 
+class JoinFailed(RuntimeError):
+    """A re-formation failed (a member vanished while the group formed);
+    the controller re-forms again once that member is replaced."""
+
+
 _JOINED = "monarch_nb/joined"
 _ATTEMPT_S = 1.0  # one connection attempt to rank 0's store, between abort checks
 

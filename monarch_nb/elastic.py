@@ -49,6 +49,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _context
+from .backends import JoinFailed
 from .errors import MonarchError, is_peer_loss
 
 
@@ -102,23 +103,32 @@ def run(state: State, *, reform_timeout: float = 300.0,
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            joined = _context._state.get("generation", 0)
-            if joined > _context._state.get("call_generation", 0):
-                _sync(state)  # joined mid-call (respawned): take the state of a live peer
+            # joined mid-call (respawned): first take the state of a live peer
+            sync = _context._state.get("generation", 0) > _context._state.get("call_generation", 0)
+            reform = False
             reforms = 0
             while True:
+                # Joining and syncing are retried like the loop itself: a
+                # member may die during either (two ranks lost at once come
+                # back one backoff apart, each with a new generation).
                 try:
+                    if reform:
+                        _await_reform(reform_timeout)
+                        reform, sync = False, True
+                    if sync:
+                        _sync(state)
+                        sync = False
                     return fn(state, *args, **kwargs)
                 except Exception as exc:
-                    if not is_peer_loss(f"{type(exc).__name__} {exc}") or reforms >= max_reforms:
+                    retry = isinstance(exc, JoinFailed) or is_peer_loss(f"{type(exc).__name__} {exc}")
+                    if not retry or reforms >= max_reforms:
                         raise
                     # the failed attempt's frames hold group-bound objects (DDP)
                     traceback.clear_frames(exc.__traceback__)
                 reforms += 1
                 gc.collect()
                 state.rollback()
-                _await_reform(reform_timeout)
-                _sync(state)
+                reform = True
 
         return wrapper
 

@@ -40,7 +40,7 @@ from typing import Any
 import zmq
 
 from . import _context, config, debug, metrics, serialize, spare
-from .backends import JoinAborted, init_group, leave_group
+from .backends import JoinAborted, JoinFailed, init_group, leave_group
 from .capture import OutputBuffer, RankStream
 from .config import RankEnv
 from .health import HealthProbe
@@ -55,6 +55,7 @@ _SIGINT = int(signal.SIGINT)
 HEARTBEAT_S = 0.5
 OUTPUT_FLUSH_S = 0.02
 METRICS_FLUSH_S = 0.2  # mnb.log batches while a call runs (the rest goes with the RESULT)
+SUPERSEDE_GRACE_S = 1.0  # after a failed join, how long a newer REFORM may take to arrive
 _WORKER_FILE = __file__.removesuffix("c")
 
 
@@ -295,6 +296,19 @@ class Worker:
                                            int(m.meta.get("generation", 0)) > generation)
                    for m in self.pending)
 
+    def _superseded(self, generation: int, grace: float = SUPERSEDE_GRACE_S) -> bool:
+        """After a failed join: does a newer REFORM (or a STOP) come? The
+        controller replaces a member that was still starting (its store host
+        included) and sends the newer REFORM in the same turn, so a join
+        broken by that sees the message within moments; a join broken by a
+        fresh death gets its REFORM only after the backoff, and fails."""
+        deadline = time.monotonic() + grace
+        while not self._newer_reform(generation):
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.main_sock.poll(max(1, int(left * 1000))):
+                return self._newer_reform(generation)
+        return True
+
     def _take_reforms(self) -> Message | None:
         """Remove the pending REFORMs; return the newest."""
         reforms = [m for m in self.pending if m.kind == Kind.REFORM]
@@ -319,10 +333,12 @@ class Worker:
         except JoinAborted:
             raise
         except Exception as exc:  # reported; the controller decides
+            if self._superseded(generation):
+                raise JoinAborted(f"generation {generation} was superseded") from None
             error = f"{type(exc).__name__}: {exc}"
         self._send_main(Kind.REFORMED, meta={"generation": generation, "error": error})
         if error:
-            raise RuntimeError(f"could not join generation {generation}: {error}")
+            raise JoinFailed(f"could not join generation {generation}: {error}")
         return generation
 
     def _run_cell(self, code: str, name: str) -> Any:
