@@ -159,8 +159,8 @@ def train(state):
         opt.step()
         state.step += 1
         state.commit()
-        if state.step in KILLS:
-            chaos.die_at(state.step, state.step, rank=KILLS[state.step], incarnation=None)
+        for victim in KILLS.get(state.step, ()):
+            chaos.die_at(state.step, state.step, rank=victim, incarnation=None)
     return [p.detach().clone() for p in model.parameters()]
 
 train()
@@ -172,7 +172,13 @@ train()
 def test_soak_twenty_kills_during_one_training_run() -> None:
     from .conftest import worker_pids
 
-    kills = {3 * i + 2: i % 4 for i in range(20)}  # steps 2, 5, ... 59; ranks 0-3 in turn
+    # 20 kills at 12 steps: one rank alone, or two at once (a lost node);
+    # each rank dies 5 times, its whole restart budget, so backoffs grow
+    victims = [(0,), (1, 2), (0, 3), (1,), (2, 3), (0, 1), (2,), (1, 3), (0, 2),
+               (3,), (0, 1), (2, 3)]
+    kills = {5 * i + 2: v for i, v in enumerate(victims)}  # steps 2, 7, ... 57
+    assert sum(map(len, victims)) == 20 and all(
+        sum(r in v for v in victims) == 5 for r in range(4))
     with Mesh.start(n=4, backend="cpu") as mesh:
         clean = mesh.exec(SOAK.replace("{KILLS}", "{}"), elastic=True, timeout=300)
         faulted = mesh.exec(SOAK.replace("{KILLS}", repr(kills)), elastic=True, timeout=900)
