@@ -21,13 +21,16 @@ re-form the group (the dead rank is respawned), and then every member —
 the respawned one included — takes the committed state of the most advanced
 live peer over the new group (no disk) and re-enters the function. The
 controller re-issues the elastic call on respawned processes, so the cell
-completes when every rank has finished.
+completes when every rank has finished. A member lost during the
+re-formation or the state transfer (two ranks lost at once come back one
+backoff apart, each with a new generation) is handled the same way: wait for
+the next group, take the state again.
 
-gloo does not always fail a survivor whose collective waits on *another
-survivor* (a ring: the peer that stopped participating is alive, and
-destroying a process group does not close its connections). The controller
-therefore replaces a survivor that has not answered the re-formation within a
-few seconds; it takes the state from a live peer like a respawned rank.
+A survivor whose collective waits on *another survivor* (a ring) is released
+when that survivor leaves its group (gloo closes a group's connections once
+it is freed, which :func:`backends.leave_group` ensures). Should one still not
+answer the re-formation within a few seconds, the controller replaces it; it
+takes the state from a live peer like a respawned rank.
 
 Determinism is the user's: with data chosen by step (and rank), the final
 model equals that of a run without the fault. For *bitwise* equality with a
