@@ -63,7 +63,7 @@ $(STAMP): pyproject.toml
 
 # pytest exits 5 when it collects nothing; a suite that ran no test is a failure.
 test: venv
-	@$(PY) -m pytest -q tests notebooks $(NBVAL); rc=$$?; \
+	@$(PY) -m pytest -q --durations=20 tests notebooks $(NBVAL); rc=$$?; \
 	if [ $$rc -eq 5 ]; then \
 		echo "make test: pytest collected no tests (exit 5) - treating as failure" >&2; exit 1; \
 	fi; \
