@@ -335,8 +335,7 @@ class IOLoop:
             if self._want:
                 # A caller is blocked on the lock: never race it. Taking the
                 # lock back at once (it is free only for an instant) could
-                # starve that caller under load, and with it a Ctrl-C that
-                # the kernel delivered to this thread instead of the main one.
+                # starve that caller under load.
                 time.sleep(LINGER_S)
                 continue
             idle = time.monotonic() - self._released_at
