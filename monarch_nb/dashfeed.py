@@ -29,6 +29,8 @@ SNAPSHOT_POINTS = 2000  # per series in a snapshot (the newest point always exac
 MAX_EVENTS = 200
 # startup noise: a first incarnation starting and becoming ready is not news
 _QUIET = {"started", "ready"}
+# tile states that already show a rank down
+_DOWN = {"dead", "respawning", "failed", "stopped"}
 
 
 class Throttle:
@@ -124,19 +126,29 @@ class Feed:
             msg["series"] = [[r, n, s, v] for (r, n), (s, v) in series.items()]
             if cuts:
                 msg["cuts"] = cuts
-        tiles = []
-        for t in self._tiles_now():
-            if self._tiles.get(t["rank"]) != t:
-                self._tiles[t["rank"]] = t
-                tiles.append(t)
-        if tiles:
-            msg["tiles"] = tiles
         events = self.events()
+        news = []
         if len(events) > self._events_seen:
             news = _news(events[self._events_seen:])
             self._events_seen = len(events)
             if news:
                 msg["events"] = news
+        # A rank that died and came back between two messages (a spare
+        # takes over within milliseconds) would never show red: this message
+        # shows it dead, the next one shows it as it is now.
+        died = {e["rank"] for e in news if e["kind"] in ("died", "replaced")}
+        tiles = []
+        for t in self._tiles_now():
+            rank = t["rank"]
+            if rank in died and t["state"] not in _DOWN:
+                sent = self._tiles.get(rank)
+                if sent is None or sent["state"] not in _DOWN:
+                    t = {**t, "state": "dead"}
+            if self._tiles.get(rank) != t:
+                self._tiles[rank] = t
+                tiles.append(t)
+        if tiles:
+            msg["tiles"] = tiles
         names = list(self.store.names)
         if len(names) != self._names:
             self._names = len(names)

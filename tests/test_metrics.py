@@ -214,6 +214,33 @@ def test_feed_events_and_names() -> None:
     json.dumps(m, allow_nan=False)
 
 
+def test_a_death_between_two_messages_still_shows_the_rank_dead_once() -> None:
+    """A spare replaces a killed rank within milliseconds, often between two
+    dashboard messages: the tile still turns red for one message."""
+    store = MetricsStore(2)
+    events: list[dict] = []
+    rows = _rows(2, "ready")
+    feed = Feed(store, lambda: rows, lambda: events)
+    assert feed.next() is not None  # snapshot
+    events.append({"time": 2.0, "rank": 1, "incarnation": 0, "kind": "died", "detail": "SIGKILL"})
+    events.append({"time": 2.1, "rank": 1, "incarnation": 1, "kind": "respawned", "detail": ""})
+    rows = _rows(2, "ready")
+    rows[1]["incarnation"] = 1
+    m = feed.next()
+    assert m is not None and [(t["rank"], t["state"]) for t in m["tiles"]] == [(1, "dead")]
+    m = feed.next()
+    assert m is not None and [(t["rank"], t["state"], t["incarnation"]) for t in m["tiles"]] == [
+        (1, "ready", 1)]
+    assert feed.next() is None
+    # a death the tiles show anyway (respawning) is sent as it is
+    events.append({"time": 3.0, "rank": 0, "incarnation": 0, "kind": "died", "detail": "SIGKILL"})
+    rows = _rows(2, "ready")
+    rows[1]["incarnation"] = 1
+    rows[0]["state"] = "respawning"
+    m = feed.next()
+    assert m is not None and [(t["rank"], t["state"]) for t in m["tiles"]] == [(0, "respawning")]
+
+
 def test_64_simulated_ranks_at_100_points_per_second() -> None:
     """64 ranks x 100 points/s for 5 s, polled like the dashboard thread:
     every message carries only new points, and a late view's snapshot is
