@@ -58,11 +58,13 @@ def collected() -> tuple[CallOutput, list[str]]:
 
 def test_stacks_of_a_deadlocked_group_and_stop(mesh3: Mesh) -> None:
     fut = mesh3.exec(DEADLOCK, name="<mnb-cell-5>", block=False)
-    # wait until rank 1 sleeps and the others are in the collective
+    # wait until rank 1 sleeps and the others wait inside the collective
+    # (a rank still on its way into all_reduce has other frames than one
+    # already blocked in it: two groups only once both are blocked)
     def settled() -> object:
         st = mesh3.stacks()
         in_cell = st[0].collective() and st[2].collective() and "stuck_here" in st[1].where()
-        return st if in_cell else None
+        return st if in_cell and len(st.groups()) == 2 else None
 
     st = wait_for(settled, timeout=30, interval=0.2, what="two groups of stacks")
     summary = st.summary()
