@@ -61,9 +61,13 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet -e '.[dev]'
 	@touch $@
 
+# Two pytest-xdist workers, a test file at a time each: the tests mostly wait
+# on rank processes, so a second worker uses the other core (tests/conftest.py).
+# TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 # pytest exits 5 when it collects nothing; a suite that ran no test is a failure.
 test: venv
-	@$(PY) -m pytest -q --durations=20 tests notebooks $(NBVAL); rc=$$?; \
+	@$(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests notebooks $(NBVAL); rc=$$?; \
 	if [ $$rc -eq 5 ]; then \
 		echo "make test: pytest collected no tests (exit 5) - treating as failure" >&2; exit 1; \
 	fi; \

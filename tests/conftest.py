@@ -23,6 +23,25 @@ SESSION_TAG = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 os.environ["MONARCH_NB_TEST_SESSION"] = SESSION_TAG
 
 
+# `make test` runs the suite in two pytest-xdist workers, one test file at a
+# time each (`-n 2 --dist loadfile`: a file's module-scoped mesh starts once, a
+# notebook's cells share one kernel, in order). Most of a test's time is spent
+# waiting on rank processes, so the second worker uses the core the first
+# leaves idle. (Tests that build network namespaces take a lock: engines.py.)
+# The longest files go first (`--no-loadscope-reorder` keeps this order), so
+# that neither worker is left with a long one at the end.
+_FIRST = ("test_elastic.py", "test_debugging.py", "test_chaos.py", "test_launch.py",
+          "test_mesh.py", "test_browser.py", "test_magics.py", "test_lab_extension.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def first(item: pytest.Item) -> int:
+        name = item.path.name
+        return _FIRST.index(name) if name in _FIRST else len(_FIRST)
+
+    items.sort(key=first)  # stable: the order within a file is kept
+
+
 def worker_pids() -> set[int]:
     """PIDs of the monarch_nb rank processes started by this test session."""
     out = set()

@@ -10,6 +10,7 @@ the test fails instead.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import os
 import shutil
@@ -51,12 +52,26 @@ class Hosts:
 _netns_count = itertools.count()
 
 
+# Held while a set of namespaces exists: the suite runs in two processes
+# (pytest-xdist), and two sets at once could pick the same subnet.
+_NETNS_LOCK = "/run/lock/monarch-nb-tests-netns.lock"
+
+
 @contextlib.contextmanager
 def netns_hosts(count: int = 2) -> Iterator[Hosts]:
     if os.geteuid() != 0:
         unavailable("network namespaces need root")
     if shutil.which("ip") is None:
         unavailable("the ip command (iproute2) is missing")
+    os.makedirs(os.path.dirname(_NETNS_LOCK), exist_ok=True)
+    with open(_NETNS_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        with _netns_hosts(count) as hosts:
+            yield hosts
+
+
+@contextlib.contextmanager
+def _netns_hosts(count: int) -> Iterator[Hosts]:
     n = next(_netns_count)  # several sets in one process never collide
     tag = f"m{os.getpid() % 100000}{n}"
     subnet = f"10.{200 + (os.getpid() + n) % 50}.{os.getpid() % 250}"
