@@ -158,7 +158,13 @@ def test_breakpoints_are_served_one_rank_at_a_time(mesh3: Mesh,
     script = Script("p a", "n", "p a", "c",  # rank in focus first: step, then continue
                     "p a + 100", "c",  # the next rank that stopped
                     "c")
-    mesh3._ctl.ask = script
+
+    def ask(prompt: str) -> str:
+        if not script.prompts:  # hold the first rank until the other one stopped too
+            wait_for(lambda: mesh3._ctl.prompts, timeout=60, what="the second rank's prompt")
+        return script(prompt)
+
+    mesh3._ctl.ask = ask
     cell = "a = 1\nbreakpoint()\na = 2\na = a * 3\na\n"
     res = mesh3.ranks("0,1").exec(cell, name="<mnb-cell-6>")
     assert res == {0: 6, 1: 6}
