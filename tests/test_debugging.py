@@ -32,11 +32,33 @@ else:
 
 @pytest.fixture
 def mesh3() -> Iterator[Mesh]:
+    """A fresh mesh, for the tests that stop, kill or break it, or need
+    ranks that never failed a call."""
     mesh = Mesh.start(n=3, backend="cpu")
     try:
         yield mesh
     finally:
         mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def _shared3() -> Iterator[Mesh]:
+    mesh = Mesh.start(n=3, backend="cpu")
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+@pytest.fixture
+def shared3(_shared3: Mesh) -> Iterator[Mesh]:
+    """One mesh for the tests that leave its ranks usable (a rank start costs
+    seconds of CPU); what a test sets on the controller is reset after it."""
+    assert all(row["state"] == "ready" for row in _shared3.status()), _shared3.status()
+    ctl = _shared3._ctl
+    output = ctl.default_output
+    yield _shared3
+    ctl.ask, ctl.default_output = None, output
 
 
 class Script:
@@ -96,9 +118,9 @@ def test_timeout_inside_a_collective_says_how_to_reform_the_group(mesh3: Mesh) -
                       "dist.all_reduce(x)\nx.item()", timeout=60) == dict.fromkeys(range(3), 3.0)
 
 
-def test_hang_watchdog_prints_grouped_stacks_once(mesh3: Mesh) -> None:
+def test_hang_watchdog_prints_grouped_stacks_once(shared3: Mesh) -> None:
     out, lines = collected()
-    ctl = mesh3._ctl
+    ctl = shared3._ctl
     from monarch_nb.protocol import Kind
 
     code = ("import time, monarch_nb as mnb\n"
@@ -106,7 +128,7 @@ def test_hang_watchdog_prints_grouped_stacks_once(mesh3: Mesh) -> None:
             "slow()\n")
     fut = ctl.submit(Kind.EXEC, (0, 1, 2), [], {"code": code, "name": "<mnb-cell-8>"}, out,
                      hang_timeout=0.8)
-    mesh3.wait(fut, 30)
+    shared3.wait(fut, 30)
     text = "".join(lines)
     assert text.count("no progress for 0.8 s") == 1, text
     assert "rank 2: in slow (<mnb-cell-8> line 3)" in text
@@ -116,31 +138,31 @@ def test_hang_watchdog_prints_grouped_stacks_once(mesh3: Mesh) -> None:
     code2 = "import time\nfor i in range(6):\n    print(i, flush=True)\n    time.sleep(0.3)\n"
     fut2 = ctl.submit(Kind.EXEC, (0,), [], {"code": code2, "name": "<mnb-cell-9>"}, out2,
                       hang_timeout=1.0)
-    mesh3.wait(fut2, 30)
+    shared3.wait(fut2, 30)
     assert "no progress" not in "".join(lines2)
 
 
-def test_post_mortem_evaluates_in_the_failed_frame(mesh3: Mesh) -> None:
+def test_post_mortem_evaluates_in_the_failed_frame(shared3: Mesh) -> None:
     with pytest.raises(Exception, match="ZeroDivisionError"):
-        mesh3.exec("def f(x):\n    y = x - 4\n    return x / y\nf(4)\n", name="<mnb-cell-3>")
+        shared3.exec("def f(x):\n    y = x - 4\n    return x / y\nf(4)\n", name="<mnb-cell-3>")
     script = Script("p x * 10", "up", "l", "q")
-    mesh3._ctl.ask = script
+    shared3._ctl.ask = script
     out, _ = collected()
-    mesh3._ctl.default_output = out
-    mesh3.debug(1)
+    shared3._ctl.default_output = out
+    shared3.debug(1)
     assert script.prompts[0] == "[rank 1] (Pdb) "
     assert len(script.prompts) == 4
     # the rank stays usable, its namespace intact
-    assert mesh3.ranks(1).run(lambda: 7) == {1: 7}
-    assert mesh3.exec("f.__name__") == {0: "f", 1: "f", 2: "f"}
+    assert shared3.ranks(1).run(lambda: 7) == {1: 7}
+    assert shared3.exec("f.__name__") == {0: "f", 1: "f", 2: "f"}
 
 
-def test_post_mortem_output_reaches_the_caller(mesh3: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+def test_post_mortem_output_reaches_the_caller(shared3: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(Exception, match="ZeroDivisionError"):
-        mesh3.exec("def g(x):\n    return x / 0\ng(21)\n", name="<mnb-cell-4>")
+        shared3.exec("def g(x):\n    return x / 0\ng(21)\n", name="<mnb-cell-4>")
     capsys.readouterr()
-    mesh3._ctl.ask = Script("p x * 2", "q")
-    mesh3.debug(2)
+    shared3._ctl.ask = Script("p x * 2", "q")
+    shared3.debug(2)
     out = capsys.readouterr().out
     assert "[2] post-mortem of ZeroDivisionError" in out
     assert "[2] > <mnb-cell-4>(2)g()" in out
@@ -153,7 +175,7 @@ def test_debug_without_an_error_is_a_clear_mistake(mesh3: Mesh) -> None:
     assert mesh3.run(lambda: 1) == {0: 1, 1: 1, 2: 1}
 
 
-def test_breakpoints_are_served_one_rank_at_a_time(mesh3: Mesh,
+def test_breakpoints_are_served_one_rank_at_a_time(shared3: Mesh,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     script = Script("p a", "n", "p a", "c",  # rank in focus first: step, then continue
                     "p a + 100", "c",  # the next rank that stopped
@@ -161,12 +183,12 @@ def test_breakpoints_are_served_one_rank_at_a_time(mesh3: Mesh,
 
     def ask(prompt: str) -> str:
         if not script.prompts:  # hold the first rank until the other one stopped too
-            wait_for(lambda: mesh3._ctl.prompts, timeout=60, what="the second rank's prompt")
+            wait_for(lambda: shared3._ctl.prompts, timeout=60, what="the second rank's prompt")
         return script(prompt)
 
-    mesh3._ctl.ask = ask
+    shared3._ctl.ask = ask
     cell = "a = 1\nbreakpoint()\na = 2\na = a * 3\na\n"
-    res = mesh3.ranks("0,1").exec(cell, name="<mnb-cell-6>")
+    res = shared3.ranks("0,1").exec(cell, name="<mnb-cell-6>")
     assert res == {0: 6, 1: 6}
     cap = capsys.readouterr()
     out, err = cap.out, cap.err
@@ -179,21 +201,21 @@ def test_breakpoints_are_served_one_rank_at_a_time(mesh3: Mesh,
     # the rank waiting its turn is named
     assert f"rank {second} also stopped and comes next" in err or \
         f"rank {second} stopped in the debugger too; it is next after rank {first}" in err, err
-    assert mesh3.run(lambda: "fine") == {0: "fine", 1: "fine", 2: "fine"}
+    assert shared3.run(lambda: "fine") == {0: "fine", 1: "fine", 2: "fine"}
 
 
-def test_interrupt_at_a_debugger_prompt_ends_the_call(mesh3: Mesh) -> None:
+def test_interrupt_at_a_debugger_prompt_ends_the_call(shared3: Mesh) -> None:
     def interrupt(prompt: str) -> str:
         raise KeyboardInterrupt
 
-    mesh3._ctl.ask = interrupt
+    shared3._ctl.ask = interrupt
     with pytest.raises(KeyboardInterrupt):
-        mesh3.ranks(1).exec("x = 1\nbreakpoint()\nx = 2\n", name="<mnb-cell-12>")
-    mesh3._ctl.ask = Script()
+        shared3.ranks(1).exec("x = 1\nbreakpoint()\nx = 2\n", name="<mnb-cell-12>")
+    shared3._ctl.ask = Script()
     # the rank left pdb and takes calls; pdb left no SIGINT handler behind
-    assert mesh3.ranks(1).run(lambda: 3, timeout=30) == {1: 3}
-    assert mesh3.ranks(1).exec("import pdb\npdb.set_trace()\ny = 5\ny") == {1: 5}
-    handler = mesh3.ranks(1).exec("import signal\nsignal.getsignal(signal.SIGINT).__name__")
+    assert shared3.ranks(1).run(lambda: 3, timeout=30) == {1: 3}
+    assert shared3.ranks(1).exec("import pdb\npdb.set_trace()\ny = 5\ny") == {1: 5}
+    handler = shared3.ranks(1).exec("import signal\nsignal.getsignal(signal.SIGINT).__name__")
     assert handler == {1: "_on_sigint"}
 
 
