@@ -30,24 +30,24 @@ else:
 """
 
 
+def _three_ranks() -> Iterator[Mesh]:
+    mesh = Mesh.start(n=3, backend="cpu")
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
+
+
 @pytest.fixture
 def mesh3() -> Iterator[Mesh]:
     """A fresh mesh, for the tests that stop, kill or break it, or need
     ranks that never failed a call."""
-    mesh = Mesh.start(n=3, backend="cpu")
-    try:
-        yield mesh
-    finally:
-        mesh.stop()
+    yield from _three_ranks()
 
 
 @pytest.fixture(scope="module")
 def _shared3() -> Iterator[Mesh]:
-    mesh = Mesh.start(n=3, backend="cpu")
-    try:
-        yield mesh
-    finally:
-        mesh.stop()
+    yield from _three_ranks()
 
 
 @pytest.fixture
