@@ -30,7 +30,7 @@ os.environ["MONARCH_NB_TEST_SESSION"] = SESSION_TAG
 # leaves idle. (Tests that build network namespaces take a lock: engines.py.)
 # The longest files go first (`--no-loadscope-reorder` keeps this order), so
 # that neither worker is left with a long one at the end.
-_FIRST = ("test_elastic.py", "test_debugging.py", "test_chaos.py", "test_launch.py",
+_FIRST = ("test_debugging.py", "test_chaos.py", "test_launch.py", "test_elastic.py",
           "test_mesh.py", "test_browser.py", "test_magics.py", "test_lab_extension.py")
 
 
