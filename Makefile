@@ -5,7 +5,7 @@
 #   make extension  rebuild the JupyterLab extension (extension/) after edits
 #   make test    run the test suite and the example notebooks (nbval)
 #   make notebooks  re-create and re-execute notebooks/ (scripts/notebook_sources.py)
-#   make lint    ruff + mypy
+#   make lint    ruff + mypy + import-linter (the layer contracts in pyproject.toml)
 #   make bench   benchmarks (installs the `bench` extra first)
 #   make clean   caches and build output (`make distclean` also drops .venv)
 #
@@ -117,6 +117,7 @@ bench: $(BENCH_STAMP)
 lint: venv
 	$(PY) -m ruff check monarch_nb tests benchmarks scripts
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf build dist out *.egg-info .pytest_cache .mypy_cache .ruff_cache \

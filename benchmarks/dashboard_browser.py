@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The dashboard's browser side under load: headless chromium (Debian's, via
-Playwright), the real ``monarch_nb/static/dashboard.js`` with a stand-in
+Playwright), the real ``monarch_nb/ui/static/dashboard.js`` with a stand-in
 model, fed 60 s of training (100 steps/s with 2 metrics per rank, as 10
 deltas a second). Prints the time from a delta's arrival to the end of the
 next animation frame, which includes the wait for that frame (up to 16.7 ms
@@ -18,7 +18,7 @@ import tempfile
 from playwright.sync_api import sync_playwright
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-JS = (REPO / "monarch_nb" / "static" / "dashboard.js").read_text()
+JS = (REPO / "monarch_nb" / "ui" / "static" / "dashboard.js").read_text()
 PAGE = """<html><body><div id=root style="width:1000px"></div><script type=module>
 const src = document.getElementById('src').textContent;
 const mod = await import(URL.createObjectURL(new Blob([src], {type: 'text/javascript'})));

@@ -36,9 +36,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from monarch_nb.dashfeed import Feed, Throttle, count_points  # noqa: E402
-from monarch_nb.metrics import decode, encode  # noqa: E402
-from monarch_nb.metricstore import MetricsStore  # noqa: E402
+from monarch_nb.controller.metricstore import MetricsStore  # noqa: E402
+from monarch_nb.engine import metrics as metrics_mod  # noqa: E402
+from monarch_nb.ui.dashfeed import Feed, Throttle, count_points  # noqa: E402
+from monarch_nb.wire.metricframes import decode, encode  # noqa: E402
 
 RANK_CODE = """
 import time, monarch_nb as mnb
@@ -98,7 +99,7 @@ def bench_local(n: int) -> dict[str, float]:
     control thread would): the cost with no other thread around."""
     import monarch_nb as mnb
 
-    buf, log = mnb.metrics.buffer(), mnb.log
+    buf, log = metrics_mod.buffer(), mnb.log
     best = float("inf")
     for _ in range(5):
         elapsed = 0.0

@@ -21,7 +21,8 @@ import atexit
 from typing import Any
 
 from . import chaos, elastic
-from ._context import device, incarnation, local_rank, rank, world_size
+from .engine.context import device, incarnation, local_rank, rank, world_size
+from .engine.metrics import log
 from .errors import (
     CallTimeout,
     MembershipChanged,
@@ -34,7 +35,6 @@ from .errors import (
 )
 from .futures import MeshFuture
 from .mesh import Mesh, RankResults, SubMesh, stop_all
-from .metrics import log
 
 __version__ = "0.1.0"
 
@@ -52,12 +52,12 @@ atexit.register(stop_all)
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    from .magics import load
+    from .ui.magics import load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    from .magics import unload
+    from .ui.magics import unload
 
     unload(ipython)

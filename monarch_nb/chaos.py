@@ -25,7 +25,7 @@ import random
 import signal
 import threading
 
-from . import _context
+from .engine import context as _context
 
 HOW = ("sigkill", "exit", "segfault", "sigstop")
 

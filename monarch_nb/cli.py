@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         sys.exit(run(rest, prog="monarch-nb launch"))
     if command == "worker":
-        from .join import join_main
+        from .engine.join import join_main
 
         sys.exit(join_main(rest, prog="monarch-nb worker"))
     sys.stderr.write(f"monarch-nb: unknown command {command!r}\n{USAGE}")

@@ -52,6 +52,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # ssh launcher: the remote shell command, {host} replaced; the worker command
 # is appended as one argument (e.g. "ip netns exec {host} sh -c").
 ENV_SSH = "MONARCH_NB_SSH"
+ENV_SPARE = "MONARCH_NB_SPARE"  # set in a spare's environment: wait for an assignment
+SPARE_WAITING = "monarch_nb spare: torch imported, waiting for a rank"  # a spare writes this to its log
 DEFAULT_SSH = "ssh -T -o BatchMode=yes {host}"
 
 

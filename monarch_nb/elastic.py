@@ -51,8 +51,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from . import _context
 from .backends import JoinFailed
+from .engine import context as _context
 from .errors import MonarchError, is_peer_loss
 
 

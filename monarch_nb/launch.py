@@ -273,7 +273,7 @@ class ScriptRun:
     """Runs one script on every rank of ``mesh`` and supervises it."""
 
     def __init__(self, mesh: Any, script: str, args: list[str], term: Terminal) -> None:
-        from .output import CallOutput
+        from .controller.output import CallOutput
 
         self.mesh = mesh
         self.script = os.path.abspath(script)
@@ -296,9 +296,9 @@ class ScriptRun:
         self.generation = mesh._ctl.generation
 
     def submit(self, rank: int) -> None:
-        from . import script as script_mod
+        from .engine import script as script_mod
         from .mesh import _call_payload
-        from .protocol import Kind
+        from .wire.protocol import Kind
 
         payload = _call_payload(script_mod.run_script, (self.script, self.args, self.cwd), {})
         # the generation the run started in: a rank that joins a later one

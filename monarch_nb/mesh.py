@@ -26,10 +26,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from typing import Any
 
-from . import backends, launchers, serialize
+from . import backends
 from .config import MeshConfig, check_hang_timeout
-from .controller import Controller, Event, RankInfo, RankState
-from .debug import post_mortem as _post_mortem
+from .controller import launchers
+from .controller.core import Controller, Event, RankInfo, RankState
+from .controller.inspector import STACKS_TIMEOUT_S
+from .controller.metricstore import health_fields
+from .controller.output import CallOutput
+from .engine.debug import post_mortem as _post_mortem
 from .errors import (
     CallTimeout,
     MeshNotRunning,
@@ -40,53 +44,14 @@ from .errors import (
     collective_hint,
 )
 from .futures import MeshFuture
-from .inspector import STACKS_TIMEOUT_S
-from .metricstore import health_fields
-from .output import CallOutput
-from .protocol import Kind
+from .results import RankResults
 from .selection import format_ranks, parse_ranks
 from .stacks import Stacks
+from .wire import serialize
+from .wire.protocol import Kind
 
 INTERRUPT_GRACE_S = 5.0  # how long an interrupted call may take to come back
 _cell_counter = itertools.count(1)
-
-
-class RankResults(dict):
-    """``{rank: value}`` of one call, printed compactly: ranks that returned
-    equal values are shown once."""
-
-    def _groups(self) -> list[tuple[list[int], Any]]:
-        groups: list[tuple[list[int], Any]] = []
-        for rank in sorted(self):
-            value = self[rank]
-            for ranks, v in groups:
-                try:
-                    same = type(v) is type(value) and bool(v == value)
-                except Exception:
-                    same = False
-                if same:
-                    ranks.append(rank)
-                    break
-            else:
-                groups.append(([rank], value))
-        return groups
-
-    def __repr__(self) -> str:
-        if not self:
-            return "RankResults({})"
-        groups = self._groups()
-        if len(groups) == len(self):
-            return "RankResults({" + ", ".join(f"{r}: {self[r]!r}" for r in sorted(self)) + "})"
-        parts = [f"ranks {format_ranks(rs)}: {v!r}" if len(rs) > 1 else f"rank {rs[0]}: {v!r}"
-                 for rs, v in groups]
-        return "RankResults(" + "; ".join(parts) + ")"
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(repr(self))
-
-    def values_list(self) -> list[Any]:
-        """Values in rank order."""
-        return [self[r] for r in sorted(self)]
 
 
 class _RankSet:
@@ -324,7 +289,7 @@ class Mesh(_RankSet):
     def dashboard(self) -> Any:
         """The live dashboard widget (one per mesh; display it in a cell).
         Plain-text front ends show the status table instead."""
-        from .dashboard import dashboard_for  # a front end: imported on demand
+        from .ui.dashboard import dashboard_for  # a front end: imported on demand
 
         return dashboard_for(self)
 

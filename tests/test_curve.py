@@ -19,7 +19,7 @@ import zmq
 
 from monarch_nb import Mesh
 from monarch_nb.config import ENV_CURVE_SECRET, ENV_KEY
-from monarch_nb.protocol import Codec, Kind
+from monarch_nb.wire.protocol import Codec, Kind
 
 from .conftest import wait_for
 
@@ -99,7 +99,7 @@ def test_peer_without_the_keys_is_refused_and_executes_nothing(curve_mesh: Mesh,
 
 
 def test_insecure_no_encryption_is_explicit_and_loud(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="monarch_nb.controller"), \
+    with caplog.at_level(logging.WARNING, logger="monarch_nb.controller.core"), \
             Mesh.start(n=1, backend="cpu", bind=BIND, insecure_no_encryption=True) as mesh:
         assert mesh._ctl.io.curve is None and not mesh._ctl.io.router.curve_server
         assert mesh.run(lambda: 1) == {0: 1}

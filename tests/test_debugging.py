@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from monarch_nb import CallTimeout, Mesh, UsageError
-from monarch_nb.output import CallOutput
+from monarch_nb.controller.output import CallOutput
 
 from .conftest import wait_for
 
@@ -121,7 +121,7 @@ def test_timeout_inside_a_collective_says_how_to_reform_the_group(mesh3: Mesh) -
 def test_hang_watchdog_prints_grouped_stacks_once(shared3: Mesh) -> None:
     out, lines = collected()
     ctl = shared3._ctl
-    from monarch_nb.protocol import Kind
+    from monarch_nb.wire.protocol import Kind
 
     code = ("import time, monarch_nb as mnb\n"
             "def slow():\n    time.sleep(2.5 if mnb.rank() == 2 else 0.01)\n"

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from monarch_nb.labcomm import TARGET, Hub, summarize
+from monarch_nb.ui.labcomm import TARGET, Hub, summarize
 
 from .conftest import wait_for
 from .kernel_util import KernelSession

@@ -70,8 +70,8 @@ def test_options_map_onto_mesh_start() -> None:
 
 
 def test_exit_codes_and_retry_rules() -> None:
-    assert exit_code_of(RemoteError(0, "monarch_nb.script.ScriptExit", "3")) == 3
-    assert exit_code_of(RemoteError(0, "monarch_nb.script.ScriptExit", "1: bad input")) == 1
+    assert exit_code_of(RemoteError(0, "monarch_nb.engine.script.ScriptExit", "3")) == 3
+    assert exit_code_of(RemoteError(0, "monarch_nb.engine.script.ScriptExit", "1: bad input")) == 1
     assert exit_code_of(RemoteError(0, "ValueError", "x")) == 1
     assert exit_code_of(RankDied(1, None, "SIGKILL")) == 128 + signal.SIGKILL
     assert exit_code_of(RankDied(1, 7)) == 7

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from monarch_nb import Mesh, config
-from monarch_nb.errors import UsageError
-from monarch_nb.launchers import (
+from monarch_nb.controller.launchers import (
     SlurmLauncher,
     SshLauncher,
     from_config,
     rank_spec,
     world_and_per_node,
 )
+from monarch_nb.errors import UsageError
 
 from .conftest import wait_for
 

@@ -237,8 +237,8 @@ def test_run_async_future_result_await_and_cancel(healthy: Mesh) -> None:
 
 def test_no_block_output_lands_in_the_issuing_context(healthy: Mesh) -> None:
     seen: list[tuple[str, str]] = []
-    from monarch_nb.output import CallOutput
-    from monarch_nb.protocol import Kind
+    from monarch_nb.controller.output import CallOutput
+    from monarch_nb.wire.protocol import Kind
 
     out = CallOutput(lambda stream, text: seen.append((stream, text)))
     fut = healthy._ctl.submit(Kind.EXEC, (0,), [], {"code": "print('late')", "name": "<t>"}, out)

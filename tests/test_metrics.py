@@ -13,9 +13,11 @@ import pytest
 
 import monarch_nb as mnb
 from monarch_nb import UsageError
-from monarch_nb.dashfeed import Feed, Throttle, count_points, tile
-from monarch_nb.metrics import MetricsBuffer, decode, encode
-from monarch_nb.metricstore import MetricsStore
+from monarch_nb.controller.metricstore import MetricsStore
+from monarch_nb.engine import metrics as metrics_mod
+from monarch_nb.engine.metrics import MetricsBuffer
+from monarch_nb.ui.dashfeed import Feed, Throttle, count_points, tile
+from monarch_nb.wire.metricframes import decode, encode
 
 
 # -- rank side ---------------------------------------------------------------------
@@ -44,10 +46,10 @@ def test_bad_values_are_usage_errors() -> None:
 
 def test_log_outside_a_rank_never_fails() -> None:
     # plain Python (a launched script before its control thread exists): buffered
-    before = len(mnb.metrics.buffer()._q)
+    before = len(metrics_mod.buffer()._q)
     mnb.log(loss=0.5)
-    assert len(mnb.metrics.buffer()._q) == before + 1
-    mnb.metrics.buffer().take()
+    assert len(metrics_mod.buffer()._q) == before + 1
+    metrics_mod.buffer().take()
 
 
 def test_tensor_scalars_are_converted_at_once() -> None:
@@ -96,7 +98,7 @@ def test_a_runaway_log_loop_is_thinned_not_queued_without_bound() -> None:
         buf.log(None, {"x": float(i)})
     _, _, points = buf.take()  # type: ignore[misc]
     steps = [p[0] for p in points]
-    assert len(steps) <= mnb.metrics.MAX_BATCH and steps[-1] == 9999 and steps == sorted(steps)
+    assert len(steps) <= metrics_mod.MAX_BATCH and steps[-1] == 9999 and steps == sorted(steps)
     assert buf.thinned == 10_000 - len(steps)
 
 
@@ -279,8 +281,8 @@ def test_tile_is_json_safe() -> None:
 
 
 def test_health_probe_without_a_gpu_reports_cpu_and_rss_only() -> None:
-    from monarch_nb.health import HealthProbe
-    from monarch_nb.metricstore import health_fields
+    from monarch_nb.controller.metricstore import health_fields
+    from monarch_nb.engine.health import HealthProbe
 
     h = HealthProbe().read()
     assert h["rss"] > 0 and h["cpu"] >= 0

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from monarch_nb.policy import (
+from monarch_nb.controller.policy import (
     Died,
     GiveUp,
     Kill,

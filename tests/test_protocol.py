@@ -1,4 +1,4 @@
-"""Unit tests for monarch_nb.protocol: signing, verification, replay window.
+"""Unit tests for monarch_nb.wire.protocol: signing, verification, replay window.
 
 Pure bytes: no sockets, no processes. ``forge`` builds header bytes by hand and
 signs them with the *right* key, to reach the checks that run after the
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from monarch_nb import protocol
 from monarch_nb.errors import MonarchError, ProtocolError
-from monarch_nb.protocol import (
+from monarch_nb.wire import protocol
+from monarch_nb.wire.protocol import (
     HEAD,
     INLINE,
     INLINE_MAX,

@@ -33,9 +33,10 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from monarch_nb import Mesh, serialize
+from monarch_nb import Mesh
 from monarch_nb.errors import RankErrors, UsageError
-from monarch_nb.protocol import (
+from monarch_nb.wire import serialize
+from monarch_nb.wire.protocol import (
     HEAD,
     INLINE_MAX,
     MAX_FRAMES,

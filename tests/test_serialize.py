@@ -1,4 +1,4 @@
-"""Unit tests for monarch_nb.serialize: cloudpickle with out-of-band buffers."""
+"""Unit tests for monarch_nb.wire.serialize: cloudpickle with out-of-band buffers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from monarch_nb.serialize import OOB_THRESHOLD, SerializationError, dumps, loads
+from monarch_nb.wire.serialize import OOB_THRESHOLD, SerializationError, dumps, loads
 
 
 def roundtrip(obj):

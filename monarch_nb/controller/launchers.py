@@ -44,9 +44,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import IO, Protocol
 
-from . import config
-from .backends import BackendInfo, resolve, torch_build
-from .errors import UsageError
+from .. import config
+from ..backends import BackendInfo, resolve, torch_build
+from ..errors import UsageError
 
 # Variables a remote rank needs from the controller's side (besides the
 # MONARCH_NB_* ones): never the controller's whole environment.

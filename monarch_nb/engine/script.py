@@ -52,7 +52,7 @@ def _torchrun_compat() -> Iterator[None]:
     # Only the script's calls are changed: monarch_nb's own (the worker
     # re-forming the group after a death, inside mnb.elastic) must reach torch.
     # (by file: the worker runs as __main__, so its module name says nothing)
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
     def ours() -> bool:
         return os.path.abspath(sys._getframe(2).f_code.co_filename).startswith(package)

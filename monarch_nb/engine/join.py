@@ -26,8 +26,8 @@ import threading
 from collections.abc import Sequence
 from typing import IO
 
-from . import config
-from .errors import UsageError
+from .. import config
+from ..errors import UsageError
 
 
 def read_spec(stream: IO[str]) -> dict[str, str]:

@@ -33,13 +33,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .protocol import Kind, Message
+from ..selection import format_ranks
+from ..stacks import RankStacks, Stacks, hang_report
+from ..wire.protocol import Kind, Message
 from .rankstate import RankInfo, RankState
-from .selection import format_ranks
-from .stacks import RankStacks, Stacks, hang_report
 
 if TYPE_CHECKING:
-    from .controller import Controller
+    from .core import Controller
 
     _Base = Controller
 else:

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .futures import MeshFuture
+from ..futures import MeshFuture
+from ..wire.protocol import Message
 from .output import CallOutput
-from .protocol import Message
 
 
 class RankState(str, enum.Enum):

@@ -30,9 +30,9 @@ from collections.abc import Callable
 from typing import Any
 
 # Files whose frames are the rank's machinery, not the user's code.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_MACHINERY = tuple(os.path.join(_HERE, f)
-                   for f in ("worker.py", "serialize.py", "debug.py", "transport.py"))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_MACHINERY = tuple(os.path.join(_PACKAGE, f) for f in (
+    "worker.py", "engine/worker.py", "wire/serialize.py", "engine/debug.py", "wire/transport.py"))
 CONTROL_THREAD = "monarch-nb-control"
 
 Frame = list[Any]  # [filename, lineno, function, source line]
@@ -155,7 +155,7 @@ def post_mortem() -> None:
 
     exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
     if exc is None or exc.__traceback__ is None:
-        from . import _context
+        from . import context as _context
 
         raise LookupError(
             f"rank {_context.rank()} has no failed call to debug; run the failing cell "

@@ -30,7 +30,6 @@ Non-goals: the user-facing API (mesh.py), process handling (supervisor.py).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import secrets
@@ -40,14 +39,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import serialize
-from .backends import BackendInfo
+from ..backends import BackendInfo
+from ..config import LOOPBACK, MeshConfig
+from ..errors import MonarchError, RankDied, RankErrors, RemoteError
+from ..results import RankResults
+from ..stacks import RankStacks
+from ..wire import serialize
+from ..wire.metricframes import decode as decode_metrics
+from ..wire.protocol import Codec, Kind, Message, new_key
+from ..wire.transport import CurveKeys, IOLoop
 from .calls import Calls
-from .config import LOOPBACK, MeshConfig
-from .errors import MonarchError, RankDied, RankErrors, RemoteError
 from .inspector import Inspector
 from .launchers import Launcher, LocalLauncher
-from .metrics import decode as decode_metrics
 from .metricstore import MetricsStore
 from .output import CallOutput, decode_items
 from .policy import (
@@ -56,7 +59,6 @@ from .policy import (
     RestartPolicy,
     Timer,
 )
-from .protocol import Codec, Kind, Message, new_key
 from .rankstate import (
     Event,
     PendingCall,
@@ -66,9 +68,7 @@ from .rankstate import (
     signal_name,
 )
 from .recovery import Recovery
-from .stacks import RankStacks
 from .supervisor import Supervisor
-from .transport import CurveKeys, IOLoop
 
 log = logging.getLogger(__name__)
 
@@ -368,7 +368,7 @@ class Controller(Calls, Inspector, Recovery):
             self._classify_membership(call)
             future.set_exception(RankErrors(dict(call.errors), dict(call.results), len(call.ranks)))
         else:
-            future.set_result(_rank_results()(call.results))
+            future.set_result(RankResults(call.results))
 
     # -- I/O thread: deaths and ticks --------------------------------------------------
     def _on_exit(self, rank: int, proc: Any = None) -> None:
@@ -475,14 +475,6 @@ class Controller(Calls, Inspector, Recovery):
             return "still running"
         name = signal_name(code)
         return f"killed by {name}" if name else f"exited with code {code}"
-
-
-@functools.cache
-def _rank_results() -> type:
-    """mesh.RankResults (mesh imports this module: looked up once, lazily)."""
-    from .mesh import RankResults
-
-    return RankResults
 
 
 def _unloadable(rank: int, exc: Exception) -> RemoteError:

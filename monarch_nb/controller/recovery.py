@@ -17,11 +17,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from .errors import MembershipChanged, RankDied, RemoteError, is_peer_loss
-from .futures import MeshFuture
+from ..errors import MembershipChanged, RankDied, RemoteError, is_peer_loss
+from ..futures import MeshFuture
+from ..wire.protocol import Kind
 from .output import CallOutput
 from .policy import GiveUp, Kill, Reform, Report, Respawn, RestartRequested
-from .protocol import Kind
 from .rankstate import (
     REFORM_GRACE_S,
     REFORM_PROBE_S,
@@ -33,7 +33,7 @@ from .rankstate import (
 )
 
 if TYPE_CHECKING:
-    from .controller import Controller
+    from .core import Controller
 
     _Base = Controller
 else:

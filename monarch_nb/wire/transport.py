@@ -45,8 +45,8 @@ from typing import Any
 import zmq
 from zmq.utils import z85
 
-from . import config
-from .errors import ProtocolError, UsageError
+from .. import config
+from ..errors import ProtocolError, UsageError
 from .protocol import Codec, Message
 
 log = logging.getLogger(__name__)

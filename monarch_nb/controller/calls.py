@@ -16,14 +16,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .errors import MonarchError
-from .futures import MeshFuture
+from ..errors import MonarchError
+from ..futures import MeshFuture
+from ..wire.protocol import Kind
 from .output import CallOutput
-from .protocol import Kind
 from .rankstate import PendingCall, RankInfo, RankState
 
 if TYPE_CHECKING:
-    from .controller import Controller
+    from .core import Controller
 
     _Base = Controller
 else:

@@ -18,6 +18,9 @@ The key reaches the spare through the pipe, never argv. A spare whose parent
 dies gets the parent-death signal, and end of file on its pipe (the
 supervisor closing it, or dying) makes it exit.
 
+This module is the spare's side; starting, assigning and discarding one is
+controller/spares.py.
+
 Non-goals: when to keep a spare (controller), spawning ranks (supervisor).
 """
 
@@ -25,60 +28,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from typing import IO
 
-ENV_SPARE = "MONARCH_NB_SPARE"  # set in a spare's environment: wait for an assignment
-WAITING = "monarch_nb spare: torch imported, waiting for a rank"  # written to its log
-
-
-def is_waiting(log_path: str) -> bool:
-    """The spare behind ``log_path`` has imported torch and waits."""
-    try:
-        with open(log_path, "rb") as f:
-            return WAITING.encode() in f.read(4096)
-    except OSError:
-        return False
-
-
-def start(env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:
-    """Start a spare (on the supervisor's thread: see supervisor.py on why)."""
-    env = {**env, ENV_SPARE: "1"}
-    with open(log_path, "ab", buffering=0) as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "monarch_nb.worker"],
-            env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, close_fds=True,
-        )
-
-
-def assign(popen: subprocess.Popen[bytes], env: dict[str, str], log_path: str) -> bool:
-    """Make a waiting spare rank ``env``; False if it is gone."""
-    if popen.poll() is not None or popen.stdin is None:
-        return False
-    line = json.dumps({"env": env, "log": log_path}).encode() + b"\n"
-    try:
-        popen.stdin.write(line)
-        popen.stdin.close()
-    except OSError:  # it died just now
-        return False
-    return True
-
-
-def discard(popen: subprocess.Popen[bytes]) -> None:
-    """End a spare nobody needs (end of file on its pipe, then SIGKILL)."""
-    try:
-        if popen.stdin is not None:
-            popen.stdin.close()
-    except OSError:
-        pass
-    if popen.poll() is None:
-        try:
-            popen.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            popen.kill()
-            popen.wait(timeout=5.0)
+from ..config import ENV_SPARE
+from ..config import SPARE_WAITING as WAITING
 
 
 def wait_for_assignment(stdin: IO[bytes] | None = None) -> None:

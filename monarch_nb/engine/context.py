@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .errors import MonarchError
+from ..errors import MonarchError
 
 _state: dict[str, Any] = {}
 

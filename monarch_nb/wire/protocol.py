@@ -47,7 +47,7 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 
 VERSION = 3  # 2: signature and header share the first frame; 3: so may payload 0
 SIGNATURE_BYTES = 32

@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from .metricstore import MetricsStore
+from ..controller.metricstore import MetricsStore
 
 MAX_HZ = 10.0
 SNAPSHOT_POINTS = 2000  # per series in a snapshot (the newest point always exact)

@@ -22,19 +22,19 @@ Outside a rank (a launched script whose launcher did not start the control
 thread, or plain Python), ``mnb.log`` never fails: points are kept in the
 bounded buffer (the newest ``MAX_BUFFERED``) until something drains it.
 
-Non-goals: sockets (worker.py), the controller's series (metricstore.py).
+Non-goals: sockets (worker.py), the frame format (wire/metricframes.py), the
+controller's series (controller/metricstore.py).
 """
 
 from __future__ import annotations
 
 import collections
-import json
-import math
 import threading
 import time
 from typing import Any
 
-from .errors import UsageError
+from ..errors import UsageError
+from ..wire.metricframes import Point
 
 MAX_BUFFERED = 200_000  # points kept while nobody drains (oldest dropped)
 # Points per batch (the control thread sends one every 0.2 s): a loop that logs
@@ -43,7 +43,6 @@ MAX_BUFFERED = 200_000  # points kept while nobody drains (oldest dropped)
 # swamp the controller's I/O loop and starve heartbeats. No chart shows more.
 MAX_BATCH = 1000
 
-Point = tuple[int, float, dict[str, float]]  # step, time (s since the epoch), values
 
 
 class MetricsBuffer:
@@ -140,34 +139,6 @@ def _as_float(name: str, value: Any) -> float:
                          f"got {type(value).__name__}") from None
 
 
-def encode(points: list[Point]) -> bytes:
-    """The METRICS payload frame. Non-finite values travel as strings
-    ("nan", "inf"): strict JSON has no NaN, and a NaN loss must still show."""
-    out = []
-    for step, t, metrics in points:
-        clean = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}
-        out.append([step, round(t, 3), clean])
-    return json.dumps(out, separators=(",", ":")).encode()
-
-
-def decode(frame: Any) -> list[Point]:
-    """Points of a verified METRICS frame; malformed entries are skipped."""
-    try:
-        items = json.loads(bytes(frame))
-    except (ValueError, TypeError):
-        return []
-    points: list[Point] = []
-    if not isinstance(items, list):
-        return points
-    for item in items:
-        try:
-            step, t, metrics = item
-            points.append((int(step), float(t), {str(k): float(v) for k, v in metrics.items()}))
-        except (TypeError, ValueError, AttributeError):
-            continue
-    return points
-
-
 _buffer = MetricsBuffer()
 
 
@@ -198,4 +169,4 @@ def buffer() -> MetricsBuffer:
     return _buffer
 
 
-__all__ = ["MetricsBuffer", "log", "buffer", "encode", "decode"]
+__all__ = ["MetricsBuffer", "log", "buffer"]

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from . import config, spare
-from .backends import BackendInfo, pin_env
+from .. import config
+from ..backends import BackendInfo, pin_env
+from . import spares
 from .launchers import Launcher, LocalLauncher
 
 
@@ -65,7 +66,7 @@ class Supervisor:
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="monarch-nb-"))
     procs: dict[int, RankProcess] = field(default_factory=dict)
     history: list[RankProcess] = field(default_factory=list)
-    spare: subprocess.Popen[bytes] | None = None  # torch imported, waiting (spare.py)
+    spare: subprocess.Popen[bytes] | None = None  # torch imported, waiting (spares.py)
     spare_log: str = ""
     _spares: int = 0
 
@@ -108,7 +109,7 @@ class Supervisor:
         return env
 
     def start_spare(self) -> None:
-        """Start a spare process for the next respawn (see spare.py). Local
+        """Start a spare process for the next respawn (see spares.py). Local
         ranks only: a remote rank's interpreter starts on its node."""
         if self.launcher.remote or (self.spare is not None and self.spare.poll() is None):
             return
@@ -118,12 +119,12 @@ class Supervisor:
         env.update({config.ENV_PARENT_PID: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
         self._spares += 1
         self.spare_log = os.path.join(self.log_dir, f"spare{self._spares}.log")
-        self.spare = spare.start(env, self.spare_log)
+        self.spare = spares.start(env, self.spare_log)
 
     def spare_ready(self) -> bool:
         """A spare is waiting with torch imported (the next respawn is fast)."""
         return (self.spare is not None and self.spare.poll() is None
-                and spare.is_waiting(self.spare_log))
+                and spares.is_waiting(self.spare_log))
 
     def spawn(self, rank: int, incarnation: int, identity: str) -> RankProcess:
         log_path = os.path.join(self.log_dir, f"rank{rank}.{incarnation}.log")
@@ -131,10 +132,10 @@ class Supervisor:
         popen = None
         if self.spare is not None:  # a waiting spare becomes this rank at once
             candidate, self.spare = self.spare, None
-            if spare.assign(candidate, env, log_path):
+            if spares.assign(candidate, env, log_path):
                 popen = candidate
             else:
-                spare.discard(candidate)
+                spares.discard(candidate)
         from_spare = popen is not None
         if popen is None:
             log = open(log_path, "ab", buffering=0)
@@ -143,7 +144,7 @@ class Supervisor:
             finally:
                 log.close()
         proc = RankProcess(rank, incarnation, popen, log_path, from_spare=from_spare)
-        from .transport import pidfd_open
+        from ..wire.transport import pidfd_open
 
         proc.pidfd = pidfd_open(popen.pid)
         self.procs[rank] = proc
@@ -234,7 +235,7 @@ class Supervisor:
             _close_stdin(proc)  # remote ranks and join sentinels: leave now
         alive = []
         if self.spare is not None:
-            spare.discard(self.spare)
+            spares.discard(self.spare)
             self.spare = None
         for proc in [p for p in self.history if p.popen.poll() is None]:
             try:

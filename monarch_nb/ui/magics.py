@@ -17,10 +17,10 @@ from typing import Any
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from .errors import MeshNotRunning, UsageError
-from .futures import MeshFuture
-from .mesh import Mesh, RankResults
-from .selection import format_ranks
+from ..errors import MeshNotRunning, UsageError
+from ..futures import MeshFuture
+from ..mesh import Mesh, RankResults
+from ..selection import format_ranks
 
 HELP = """\
 %monarch start [-n N] [--backend auto|cuda|rocm|cpu] [--respawn rank|all|off]

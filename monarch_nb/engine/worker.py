@@ -1,0 +1,526 @@
+"""The rank process: ``python -m monarch_nb.worker`` (started by the supervisor).
+
+Two threads:
+
+* the **main thread** owns the ``main`` DEALER socket: it receives CALL/EXEC
+  messages, runs user code in the rank's persistent namespace (signals, CUDA
+  and torch.distributed all want the main thread) and sends the RESULT;
+* the **control thread** owns the ``ctl`` DEALER socket: heartbeats, controller
+  pings, interrupts, output chunks and (later) stacks. It keeps answering while
+  the main thread is stuck in a collective or a C call.
+
+Interrupts are delivered as SIGINT to the main thread by the control thread,
+and only raise ``KeyboardInterrupt`` if they target the call that is running:
+a late interrupt for a call that already finished must not kill the next one.
+
+No orphans: the parent-death signal (Linux prctl) kills the rank with its
+controller's process; a rank that hears no ping for ``controller_timeout``
+seconds exits too (remote hosts, or a parent that was SIGSTOPped).
+
+Non-goals: respawn decisions (controller/supervisor), formatting output.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import ctypes
+import importlib
+import json
+import linecache
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import types
+from typing import Any
+
+import zmq
+
+from .. import config
+from ..backends import JoinAborted, JoinFailed, init_group, leave_group
+from ..config import RankEnv
+from ..wire import serialize
+from ..wire.protocol import Codec, Kind, Message
+from ..wire.transport import dealer, recv_verified, send_frames, socket_send
+from . import context as _context
+from . import debug, metrics, spare
+from .capture import OutputBuffer, RankStream
+from .health import HealthProbe
+
+# signal.getsignal converts the handler to an enum, raising and catching a
+# ValueError when it is a function: too slow to run after every call.
+_getsignal = importlib.import_module("_signal").getsignal
+_SIGINT = int(signal.SIGINT)
+
+HEARTBEAT_S = 0.5
+OUTPUT_FLUSH_S = 0.02
+METRICS_FLUSH_S = 0.2  # mnb.log batches while a call runs (the rest goes with the RESULT)
+SUPERSEDE_GRACE_S = 1.0  # after a failed join, how long a newer REFORM may take to arrive
+_WORKER_FILE = __file__.removesuffix("c")
+
+
+def _set_parent_death_signal() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Worker:
+    def __init__(self, env: RankEnv) -> None:
+        self.env = env
+        ident = env.identity  # unguessable: a local process cannot squat it
+        self.ctx = zmq.Context()
+        self.main_id = f"{ident}.main"
+        self.ctl_id = f"{ident}.ctl"
+        self.main_codec = Codec(env.key, self.main_id)
+        self.ctl_codec = Codec(env.key, self.ctl_id)
+        self.main_sock = dealer(self.ctx, self.main_id, env.controller, env.curve)
+        self.ctl_sock = dealer(self.ctx, self.ctl_id, env.controller, env.curve)
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.output = OutputBuffer()
+        self.metrics = metrics.buffer()
+        self.calls = serialize.CallCache()
+        self.running_call = 0
+        self.interrupt_call = 0
+        # Interrupts that arrived before their call started (queued behind
+        # another call, or overtaking it on the other socket), and calls done.
+        self.cancelled: set[int] = set()
+        # Messages read while user code waited for a re-formation (elastic):
+        # served first, in order, once the current call is over.
+        self.pending: collections.deque[Message] = collections.deque()
+        self.finished: collections.deque[int] = collections.deque(maxlen=4096)
+        self.stopping = False
+        self.main_thread_id = threading.get_ident()
+        self.last_ping = time.monotonic()
+        self.user_module = types.ModuleType("__main__")
+        self.user_module.__dict__["__builtins__"] = __builtins__
+        self.namespace = self.user_module.__dict__
+        # A debugger (or input()) on the main thread waits for a line: the
+        # control thread sends this prompt after the output before it.
+        self.prompt_out: tuple[int, str] | None = None
+        self.stdin = debug.RelayStdin(self._ask_input, lambda: self.output.take_partial("stdout"),
+                                      self.main_thread_id)
+
+    # -- start-up ------------------------------------------------------------
+    def start(self) -> None:
+        env = self.env
+        _context._set(
+            rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
+            incarnation=env.incarnation, backend=env.backend, generation=env.generation,
+            await_reform=self.await_reform,
+        )
+        log = sys.stdout
+        sys.stdout = RankStream("stdout", self.output, log)
+        sys.stderr = RankStream("stderr", self.output, sys.__stderr__)
+        sys.stdin = self.stdin  # pdb, breakpoint() and input() ask the notebook
+        sys.breakpointhook = debug.breakpointhook
+        sys.modules["__main__"] = self.user_module
+        self._sigint = self._on_sigint  # one bound method, compared after each call
+        signal.signal(signal.SIGINT, self._sigint)
+        threading.Thread(target=self._control_loop, name=debug.CONTROL_THREAD, daemon=True).start()
+        try:
+            device = init_group(env.backend, env.rank, env.world_size, env.master_addr,
+                                env.master_port)
+        except BaseException as exc:  # report, then die: the controller decides
+            text = "".join(traceback.format_exception(exc))
+            self._send_main(Kind.FAILED_START, meta={"error": f"{type(exc).__name__}: {exc}", "tb": text})
+            sys.__stderr__.write(text)
+            self._exit(2)
+        self._send_main(Kind.READY, meta={"device": device, "pid": os.getpid()})
+
+    # -- main thread -----------------------------------------------------------
+    def serve(self) -> None:
+        sock, codec, pending, dropped = self.main_sock, self.main_codec, self.pending, self.dropped
+        while not self.stopping:
+            try:
+                msg = pending.popleft() if pending else recv_verified(sock, codec, dropped)
+            except KeyboardInterrupt:  # a stray interrupt while idle
+                continue
+            if msg is None:
+                continue
+            kind = msg.kind
+            if kind is Kind.CALL or kind is Kind.EXEC:
+                self._execute(msg)
+            elif msg.kind == Kind.REFORM:
+                try:
+                    self._reform(msg)
+                except RuntimeError:
+                    pass  # reported to the controller in REFORMED
+            elif msg.kind == Kind.STOP:
+                break
+        self._exit(0)
+
+    def _execute(self, msg: Message) -> None:
+        # This is the rank's half of every call: each step costs a few
+        # microseconds at most in the usual case (nothing printed or logged
+        # between calls, no debugger), which the no-op benchmark measures.
+        call = msg.call
+        leftover = self.output.begin(call)
+        if leftover:
+            self._send_main(Kind.OUTPUT, [_json(leftover)], call=0, meta={"n": -1})
+        if self.stdin.answered:  # only after a debugger session
+            self.stdin.reset()
+        mbuf = self.metrics
+        if mbuf.used:  # only once mnb.log was called in this process
+            left = mbuf.begin(call)  # logged between calls (by a user thread)
+            if left:
+                self._send_main(Kind.METRICS, [metrics.encode(left)], meta={"n": -1})
+        self.running_call = call
+        generation = msg.meta.get("generation", 0)
+        if _context._state.get("call_generation") != generation:
+            _context._set(call_generation=int(generation))
+        ok, value, error = True, None, None
+        try:
+            try:
+                if call in self.cancelled:
+                    self.cancelled.discard(call)
+                    raise KeyboardInterrupt("interrupted before it started")
+                if msg.kind == Kind.CALL:
+                    fn, args, kwargs = self.calls.load(msg.payload)
+                    value = fn(*args, **kwargs)
+                else:
+                    value = self._run_cell(msg.meta["code"], msg.meta.get("name", "<mnb-cell>"))
+            finally:
+                self.finished.append(call)  # before running_call drops: see _control
+                self.running_call = 0
+                if _getsignal(_SIGINT) is not self._sigint:
+                    # pdb.set_trace() installs pdb's own handler on "c"
+                    signal.signal(signal.SIGINT, self._sigint)
+        except BaseException as exc:  # the rank survives whatever the user code does
+            ok, error = False, self._describe(exc)
+            # kept for %monarch debug, as the interactive interpreter keeps it
+            sys.last_exc, sys.last_type, sys.last_value, sys.last_traceback = (  # type: ignore[attr-defined]
+                exc, type(exc), exc, exc.__traceback__)
+        n_out, tail = self.output.finish()
+        if (n_out or tail) and isinstance(sys.stdout, RankStream):
+            sys.stdout.flush()  # into the rank's log file too (%monarch logs)
+        # mnb.log points: the rest goes on this socket ahead of the RESULT;
+        # batches the control thread sent are counted like output chunks.
+        # (mbuf.used may have turned True during this call: its points then
+        # go ahead of the RESULT, uncounted, as if logged between calls)
+        n_m, points = mbuf.finish() if mbuf.used else (0, [])
+        if points:
+            self._send_main(Kind.METRICS, [metrics.encode(points)], call=call, meta={"n": -1})
+        # Defaults (ok, no chunks) are left out: a plain success carries no
+        # JSON at all, which is most of the no-op path.
+        meta: dict[str, Any] = {} if ok else {"ok": False}
+        if n_out:
+            meta["n_out"] = n_out
+        if n_m:
+            meta["n_m"] = n_m
+        payload: list[Any] = []
+        if ok and value is not None:
+            try:
+                payload = serialize.dumps(value)
+            except serialize.SerializationError as exc:
+                meta["ok"] = False
+                error = {
+                    "type": "SerializationError",
+                    "msg": f"the result ({type(value).__name__}) cannot be sent back: {exc}; "
+                    "return something picklable, or keep it on the rank in a variable",
+                    "tb": "",
+                }
+            size = sum(memoryview(p).nbytes for p in payload)
+            if size > self.env.max_message_bytes:
+                payload, meta["ok"] = [], False
+                error = {
+                    "type": "SerializationError",
+                    "msg": f"the result is {size} bytes, too large for this mesh's limit "
+                    f"(max_message_bytes={self.env.max_message_bytes}); keep it on the rank, "
+                    "or return a smaller piece",
+                    "tb": "",
+                }
+        if meta.get("ok", True) is False:
+            meta["error"] = error
+        if tail:  # output text travels as a JSON frame, never in the header
+            meta["o"] = 1
+            payload = [_json(tail), *payload]
+        if payload:
+            self._send_main(Kind.RESULT, payload, call=call, meta=meta)
+        else:  # one frame: no send_frames loop
+            socket_send(self.main_sock, self.main_codec.sign(Kind.RESULT, (), call=call, meta=meta)[0])
+
+    def await_reform(self, timeout: float = 300.0) -> int:
+        """For mnb.elastic, on the main thread inside a call: wait for the
+        controller's REFORM, join the new group, return its generation.
+        Other messages that arrive meanwhile are kept, in order.
+
+        The old group is left at once, not when the REFORM comes: gloo then
+        closes its connections, so a peer still waiting in a collective on
+        this rank fails out of it too (and re-forms) instead of staying stuck
+        until the controller replaces its process. Survivors of a ring
+        release one another like this, each in turn."""
+        leave_group()
+        deadline = time.monotonic() + timeout
+        newest = self._take_reforms()  # it may already be here
+        if newest is not None:
+            return self._reform(newest)
+        while time.monotonic() < deadline:
+            if not self.main_sock.poll(100):
+                continue
+            msg = recv_verified(self.main_sock, self.main_codec, self.dropped)
+            if msg is None:
+                continue
+            if msg.kind == Kind.REFORM:
+                return self._reform(msg)
+            self.pending.append(msg)
+        raise TimeoutError(f"no new group within {timeout:g} s after a member died")
+
+    def _reform(self, msg: Message) -> int:
+        """Leave the old torch.distributed group and join the new generation
+        (a member died and was replaced). Runs between calls, on the main
+        thread, like everything that touches torch.distributed. A member
+        that dies while the group forms makes the controller send a newer
+        REFORM: the join in progress is abandoned for that one."""
+        while True:
+            try:
+                return self._join(msg)
+            except JoinAborted:
+                newest = self._take_reforms()
+                if newest is None:  # a STOP is waiting: serve() reaches it next
+                    raise RuntimeError("the mesh is stopping") from None
+                msg = newest
+
+    def _newer_reform(self, generation: int) -> bool:
+        """Anything on the main socket is kept in order; True if a REFORM
+        newer than ``generation`` or a STOP is among it."""
+        while self.main_sock.poll(0):
+            got = recv_verified(self.main_sock, self.main_codec, self.dropped)
+            if got is not None:
+                self.pending.append(got)
+        return any(m.kind == Kind.STOP or (m.kind == Kind.REFORM and
+                                           int(m.meta.get("generation", 0)) > generation)
+                   for m in self.pending)
+
+    def _superseded(self, generation: int, grace: float = SUPERSEDE_GRACE_S) -> bool:
+        """After a failed join: does a newer REFORM (or a STOP) come? The
+        controller replaces a member that was still starting (its store host
+        included) and sends the newer REFORM in the same turn, so a join
+        broken by that sees the message within moments; a join broken by a
+        fresh death gets its REFORM only after the backoff, and fails."""
+        deadline = time.monotonic() + grace
+        while not self._newer_reform(generation):
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.main_sock.poll(max(1, int(left * 1000))):
+                return self._newer_reform(generation)
+        return True
+
+    def _take_reforms(self) -> Message | None:
+        """Remove the pending REFORMs; return the newest."""
+        reforms = [m for m in self.pending if m.kind == Kind.REFORM]
+        for m in reforms:
+            self.pending.remove(m)
+        return max(reforms, key=lambda m: int(m.meta.get("generation", 0)), default=None)
+
+    def _join(self, msg: Message) -> int:
+        generation, port = int(msg.meta["generation"]), int(msg.meta["port"])
+        # "out of the old collective, joining": the controller stops waiting
+        # for this survivor before the (slower) join completes
+        self._send_main(Kind.REFORMED, meta={"generation": generation, "joining": True})
+        error = ""
+        try:
+            leave_group()
+            os.environ["MASTER_PORT"] = str(port)
+            os.environ["MONARCH_NB_GENERATION"] = str(generation)
+            init_group(self.env.backend, self.env.rank, self.env.world_size,
+                       self.env.master_addr, port,
+                       abort=lambda: self._newer_reform(generation))
+            _context._set(generation=generation)
+        except JoinAborted:
+            raise
+        except Exception as exc:  # reported; the controller decides
+            if self._superseded(generation):
+                raise JoinAborted(f"generation {generation} was superseded") from None
+            error = f"{type(exc).__name__}: {exc}"
+        self._send_main(Kind.REFORMED, meta={"generation": generation, "error": error})
+        if error:
+            raise JoinFailed(f"could not join generation {generation}: {error}")
+        return generation
+
+    def _run_cell(self, code: str, name: str) -> Any:
+        lines = code.splitlines(True)
+        linecache.cache[name] = (len(code), None, lines, name)  # tracebacks show cell source
+        tree = ast.parse(code, filename=name, mode="exec")
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr) and not code.rstrip().endswith(";"):
+            last = ast.Expression(tree.body.pop().value)
+        exec(compile(tree, name, "exec"), self.namespace)
+        if last is not None:
+            return eval(compile(last, name, "eval"), self.namespace)
+        return None
+
+    def _describe(self, exc: BaseException) -> dict[str, str]:
+        tb = exc.__traceback__
+        # Hide the worker's own frames: the user wants their code, not ours.
+        while tb is not None and tb.tb_frame.f_code.co_filename in (_WORKER_FILE, serialize.__file__):
+            tb = tb.tb_next
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        name = type(exc).__qualname__
+        module = type(exc).__module__
+        if module not in ("builtins", "__main__"):
+            name = f"{module}.{name}"
+        return {"type": name, "msg": str(exc), "tb": text}
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.running_call and self.interrupt_call == self.running_call:
+            self.interrupt_call = 0
+            raise KeyboardInterrupt
+
+    def _send_main(self, kind: Kind, payload: list[Any] | None = None, *, call: int = 0,
+                   meta: dict[str, Any] | None = None) -> None:
+        frames = self.main_codec.sign(kind, payload or [], call=call, meta=meta)
+        send_frames(self.main_sock, frames)
+
+    # -- control thread ------------------------------------------------------------
+    def _control_loop(self) -> None:
+        sock, env = self.ctl_sock, self.env
+        self._send_ctl(Kind.HELLO, meta={"pid": os.getpid(), "incarnation": env.incarnation,
+                                         "host": os.uname().nodename})
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        next_beat = next_metrics = 0.0
+        health = HealthProbe()
+        while True:
+            busy = self.running_call != 0 or self.output.pending or self.metrics.pending
+            events = poller.poll(OUTPUT_FLUSH_S * 1000 if busy else HEARTBEAT_S * 500)
+            now = time.monotonic()
+            if events:
+                while True:
+                    try:
+                        msg = recv_verified(sock, self.ctl_codec, self.dropped) if sock.poll(0) else None
+                    except zmq.ZMQError:
+                        return
+                    if msg is None:
+                        break
+                    self.last_ping = now
+                    self._control(msg)
+            chunk = self.output.take_chunk()
+            if chunk is not None:
+                call, n, items = chunk
+                self._send_ctl(Kind.OUTPUT, call=call, meta={"n": n}, payload=[_json(items)])
+            prompt = self.prompt_out
+            if prompt is not None:  # after the output: the listing shows above the box
+                self.prompt_out = None
+                self._send_ctl(Kind.PROMPT, call=prompt[0], meta={"prompt": prompt[1]})
+            if now >= next_metrics:
+                next_metrics = now + METRICS_FLUSH_S
+                batch = self.metrics.take()
+                if batch is not None:
+                    call, n, points = batch
+                    self._send_ctl(Kind.METRICS, call=call, meta={"n": n},
+                                   payload=[metrics.encode(points)])
+            if now >= next_beat:
+                next_beat = now + HEARTBEAT_S
+                self._send_ctl(Kind.HEARTBEAT, meta={"busy": self.running_call, "h": health.read()})
+                if now - self.last_ping > env.controller_timeout:
+                    sys.__stderr__.write(f"monarch_nb rank {env.rank}: controller silent for "
+                                         f"{env.controller_timeout:g} s, exiting\n")
+                    os._exit(3)
+                if env.parent_pid and os.getppid() != env.parent_pid:
+                    os._exit(3)
+
+    def _control(self, msg: Message) -> None:
+        if msg.kind == Kind.INTERRUPT:
+            call = msg.call
+            where = ""
+            if self.running_call and (call == 0 or call == self.running_call):
+                where = self.main_location()
+                self.interrupt_call = self.running_call
+                signal.pthread_kill(self.main_thread_id, signal.SIGINT)
+            elif call and call not in self.finished:
+                self.cancelled.add(call)  # not started yet: it will not run
+                where = "queued, not started (cancelled)"
+            self._send_ctl(Kind.INTERRUPTED, call=call, meta={"where": where})
+        elif msg.kind == Kind.STOP:
+            self.stopping = True
+            if self.running_call:
+                self.interrupt_call = self.running_call
+                signal.pthread_kill(self.main_thread_id, signal.SIGINT)
+            # The main thread leaves at once if idle (it also gets STOP); if it
+            # is stuck in C code, do not wait for it.
+            threading.Timer(2.0, lambda: self._exit(0)).start()
+        elif msg.kind == Kind.STACKS:
+            self._send_ctl(Kind.STACKS_REPLY, call=msg.call,
+                           meta={"threads": debug.snapshot(self.main_thread_id),
+                                 "busy": self.running_call})
+        elif msg.kind == Kind.INPUT:
+            self.stdin.answer(str(msg.meta.get("text", "")))
+
+    def _send_ctl(self, kind: Kind, *, call: int = 0, meta: dict[str, Any] | None = None,
+                  payload: list[Any] | None = None) -> None:
+        frames = self.ctl_codec.sign(kind, payload or [], call=call, meta=meta)
+        send_frames(self.ctl_sock, frames)
+
+    def main_location(self) -> str:
+        frame = sys._current_frames().get(self.main_thread_id)
+        return describe_frame(frame)
+
+    def _ask_input(self, prompt: str) -> None:
+        """Main thread, in RelayStdin.readline: the control thread sends it."""
+        self.prompt_out = (self.running_call, prompt)
+
+    def _exit(self, code: int) -> None:
+        hook = getattr(self, "_exit_hook", None)
+        if hook is not None and threading.current_thread() is threading.main_thread():
+            hook()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)  # skip atexit: torch.distributed teardown can hang on dead peers
+
+
+def _json(items: list[list[str]]) -> bytes:
+    return json.dumps(items, separators=(",", ":")).encode()
+
+
+def describe_frame(frame: Any) -> str:
+    """Where a thread is, user code first: ``<mnb-cell-3> line 5 in f: time.sleep(9)``."""
+    if frame is None:
+        return "unknown"
+    user = None
+    inner = frame
+    f = frame
+    while f is not None:
+        name = f.f_code.co_filename
+        if name.startswith("<mnb-cell") and user is None:
+            user = f
+        f = f.f_back
+    parts = []
+    for fr in (inner, user) if user is not None and user is not inner else (inner,):
+        line = linecache.getline(fr.f_code.co_filename, fr.f_lineno).strip()
+        parts.append(f"{fr.f_code.co_filename} line {fr.f_lineno} in {fr.f_code.co_name}"
+                     + (f": {line}" if line else ""))
+    return " <- ".join(parts)
+
+
+def main() -> None:
+    _set_parent_death_signal()
+    parent = os.environ.get(config.ENV_PARENT_PID)
+    if parent and os.getppid() != int(parent):
+        os._exit(3)  # the controller died before we could arm the death signal
+    if os.environ.get(config.ENV_SPARE):
+        spare.wait_for_assignment()  # torch imported ahead of need (spare.py)
+    env = RankEnv.from_environ()
+    worker = Worker(env)
+    worker.start()
+    profile_path = os.environ.get("MONARCH_NB_PROFILE")  # developer aid: cProfile the rank
+    if profile_path:
+        import cProfile
+
+        prof = cProfile.Profile()
+        worker._exit_hook = lambda: prof.dump_stats(f"{profile_path}.{env.rank}")  # type: ignore[attr-defined]
+        prof.enable()
+    worker.serve()
+
+
+if __name__ == "__main__":
+    main()

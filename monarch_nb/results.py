@@ -1,0 +1,51 @@
+"""What a call returns: :class:`RankResults`, ``{rank: value}`` printed compactly.
+
+Below the controller (which builds one per finished call) and the public
+API (which returns it), so neither imports the other for it.
+
+Non-goals: errors (errors.py), waiting (futures.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .selection import format_ranks
+
+
+class RankResults(dict):
+    """``{rank: value}`` of one call, printed compactly: ranks that returned
+    equal values are shown once."""
+
+    def _groups(self) -> list[tuple[list[int], Any]]:
+        groups: list[tuple[list[int], Any]] = []
+        for rank in sorted(self):
+            value = self[rank]
+            for ranks, v in groups:
+                try:
+                    same = type(v) is type(value) and bool(v == value)
+                except Exception:
+                    same = False
+                if same:
+                    ranks.append(rank)
+                    break
+            else:
+                groups.append(([rank], value))
+        return groups
+
+    def __repr__(self) -> str:
+        if not self:
+            return "RankResults({})"
+        groups = self._groups()
+        if len(groups) == len(self):
+            return "RankResults({" + ", ".join(f"{r}: {self[r]!r}" for r in sorted(self)) + "})"
+        parts = [f"ranks {format_ranks(rs)}: {v!r}" if len(rs) > 1 else f"rank {rs[0]}: {v!r}"
+                 for rs, v in groups]
+        return "RankResults(" + "; ".join(parts) + ")"
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(repr(self))
+
+    def values_list(self) -> list[Any]:
+        """Values in rank order."""
+        return [self[r] for r in sorted(self)]
