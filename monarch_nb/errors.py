@@ -126,10 +126,9 @@ class MembershipChanged(MonarchError):
         self.rank = rank
         self.dead = tuple(sorted(dead))
         self.detail = detail
-        msg = (
-            f"rank {rank}: the group changed under a collective "
-            f"(rank {format_ranks(self.dead)} died)"
-        )
+        msg = f"rank {rank}: the group changed under a collective"
+        if self.dead:  # (none: this rank's own process was replaced)
+            msg += f" (rank {format_ranks(self.dead)} died)"
         if detail:
             msg += f": {detail}"
         super().__init__(msg)
@@ -234,7 +233,10 @@ class RankErrors(MonarchError):
         return self.render_lines()
 
     def __str__(self) -> str:
-        return "\n".join(self.render_lines())
+        # without the "RankErrors: " of the IPython rendering: a client that
+        # prints f"{type(e).__name__}: {e}" would show it twice
+        lines = self.render_lines()
+        return "\n".join([lines[0].removeprefix("RankErrors: "), *lines[1:]])
 
     def __reduce__(self) -> tuple[Any, ...]:  # keep picklable (multiprocessing, xdist)
         return (RankErrors, (self.errors, self.results, self.total))

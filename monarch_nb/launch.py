@@ -273,8 +273,6 @@ class ScriptRun:
     """Runs one script on every rank of ``mesh`` and supervises it."""
 
     def __init__(self, mesh: Any, script: str, args: list[str], term: Terminal) -> None:
-        from .controller.output import CallOutput
-
         self.mesh = mesh
         self.script = os.path.abspath(script)
         self.args = list(args)
@@ -291,28 +289,23 @@ class ScriptRun:
         self.seen_events = len(mesh.events)
         # One output for every rank, so identical lines fold ("[0-3] epoch 1").
         # Announcements are shown from the event log instead (no duplicates).
-        self.output = CallOutput(term.emit)
-        self.output.note = lambda text, stream="stderr": None  # type: ignore[method-assign]
-        self.generation = mesh._ctl.generation
+        self.output = mesh.output(term.emit, notes=False)
+        self.generation = mesh.generation
 
     def submit(self, rank: int) -> None:
         from .engine import script as script_mod
-        from .mesh import _call_payload
-        from .wire.protocol import Kind
 
-        payload = _call_payload(script_mod.run_script, (self.script, self.args, self.cwd), {})
+        self.deaths_at_submit[rank] = self._deaths()
         # the generation the run started in: a rank that joins a later one
         # came in mid-run and takes its elastic state from a peer
-        meta = {"generation": self.generation}
-        self.deaths_at_submit[rank] = self._deaths()
-        self.futures[rank] = self.mesh._live().submit(Kind.CALL, (rank,), payload, meta,
-                                                      self.output)
+        self.futures[rank] = self.mesh.ranks([rank]).submit(
+            script_mod.run_script, (self.script, self.args, self.cwd), output=self.output,
+            generation=self.generation)
 
     def run(self) -> int:
         ranks = range(self.mesh.world_size)
         for r in ranks:
             self.submit(r)
-        ctl = self.mesh._ctl
         while True:
             self._show_events()
             self._collect()
@@ -322,11 +315,10 @@ class ScriptRun:
                 break
             if self.failed_at is not None and time.monotonic() - self.failed_at > FAIL_GRACE_S:
                 break
-            pending = [self.futures[r] for r in open_ranks if not self.futures[r].done()]
-            if pending:
-                ctl.wait(pending[0], REFRESH_S)  # leads the I/O loop meanwhile
-            else:
-                ctl.pump(REFRESH_S)  # only peer losses waiting for their death report
+            # leads the I/O loop meanwhile; with nothing pending, only peer
+            # losses wait for their death report
+            self.mesh.wait_any([self.futures[r] for r in open_ranks if not self.futures[r].done()],
+                               REFRESH_S)
         self._show_events()
         return self._summary()
 

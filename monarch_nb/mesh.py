@@ -23,7 +23,6 @@ import signal as signal_mod
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict
 from typing import Any
 
 from . import backends
@@ -31,7 +30,7 @@ from .config import MeshConfig, check_hang_timeout
 from .controller import launchers
 from .controller.core import Controller, Event, RankInfo, RankState
 from .controller.inspector import STACKS_TIMEOUT_S
-from .controller.metricstore import health_fields
+from .controller.metricstore import MetricsStore, health_fields
 from .controller.output import CallOutput
 from .engine.debug import post_mortem as _post_mortem
 from .errors import (
@@ -50,6 +49,7 @@ from .stacks import Stacks
 from .wire import serialize
 from .wire.protocol import Kind
 
+Output = CallOutput  # what Mesh.output() returns: a destination for ranks' output
 INTERRUPT_GRACE_S = 5.0  # how long an interrupted call may take to come back
 _cell_counter = itertools.count(1)
 
@@ -77,6 +77,21 @@ class _RankSet:
         """Start ``fn`` on the selected ranks; returns a :class:`MeshFuture`."""
         payload = _call_payload(fn, args, kwargs)
         return self._mesh._live().submit(Kind.CALL, self._sel, payload, None, CallOutput())
+
+    def submit(self, fn: Callable[..., Any], args: tuple[Any, ...] = (),
+               kwargs: dict[str, Any] | None = None, *, output: Output | None = None,
+               generation: int | None = None) -> MeshFuture:
+        """Start ``fn(*args, **kwargs)`` on the selected ranks without waiting
+        (what ``run_async`` does, for programs that drive a mesh themselves,
+        such as the script launcher). ``output``: where the ranks' output
+        goes (:meth:`Mesh.output`; default: this thread's cell or terminal).
+        ``generation``: the group generation the work started in; a rank that
+        joins a later one came in mid-run and takes its ``mnb.elastic`` state
+        from a peer (default: none, an ordinary call)."""
+        payload = _call_payload(fn, args, kwargs or {})
+        meta = None if generation is None else {"generation": int(generation)}
+        return self._mesh._live().submit(Kind.CALL, self._sel, payload, meta,
+                                         output if output is not None else CallOutput())
 
     def exec(self, code: str, setup: bool = False, *, timeout: float | None = None,
              name: str | None = None, block: bool = True, elastic: bool = False,
@@ -238,6 +253,44 @@ class Mesh(_RankSet):
     def backend(self) -> str:
         return self._ctl.backend.name
 
+    @property
+    def generation(self) -> int:
+        """The torch.distributed group's generation: 0 at start, +1 each time
+        the group is re-formed (a respawn, a restart)."""
+        return self._ctl.generation
+
+    @property
+    def metrics(self) -> MetricsStore:
+        """Every rank's ``mnb.log`` series (read it; the controller writes it)."""
+        return self._ctl.metrics
+
+    def output(self, emit: Callable[[str, str], None] | None = None, *,
+               notes: bool = True) -> Output:
+        """A destination for ranks' output to pass to :meth:`submit`: every
+        line goes to ``emit(stream, text)`` labelled with its rank, identical
+        lines of several ranks folded into one (default: this thread's cell or
+        terminal). ``notes=False`` leaves out the controller's own notes (a
+        front end that shows :attr:`events` itself)."""
+        out = CallOutput(emit)
+        if not notes:
+            out.note = lambda text, stream="stderr": None  # type: ignore[method-assign]
+        return out
+
+    def wait_any(self, futures: Iterable[MeshFuture], timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until one of ``futures`` is done
+        (leading the I/O loop meanwhile, so ranks' output, deaths and
+        respawns are handled on this thread). With no futures, just serve
+        the mesh for that long. True if one is done."""
+        ctl = self._live()
+        pending = list(futures)
+        if not pending:
+            ctl.pump(timeout)
+            return False
+        if any(f.done() for f in pending):
+            return True
+        ctl.wait(pending[0], timeout)
+        return any(f.done() for f in pending)
+
     # -- control ----------------------------------------------------------------
     def kill(self, rank: int, signal: str | int = "KILL") -> None:
         """Send a signal to a rank's process (fault injection). For KILL,
@@ -295,7 +348,7 @@ class Mesh(_RankSet):
 
     @property
     def events(self) -> list[dict[str, Any]]:
-        return [asdict(e) for e in list(self._ctl.events)]
+        return [e.as_dict() for e in list(self._ctl.events)]
 
     @property
     def dropped(self) -> dict[str, int]:

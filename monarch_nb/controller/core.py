@@ -1,36 +1,30 @@
-"""The controller: rank table, answers from the ranks, result gathering, futures.
+"""The controller core: builds a mesh's parts, routes the ranks' messages to
+them, and runs the mesh's life cycle (start, tick, stop).
 
-Lives in the notebook kernel (or the launching process). Everything that
-changes rank or call state runs on the I/O thread (message handlers, pidfd
-callbacks, ticks), so that state needs no locks; other threads only read
-snapshots or go through ``io.call_soon``.
+Lives in the notebook kernel (or the launching process). Every handler runs
+on the thread that leads the I/O loop (message handlers, pidfd callbacks,
+ticks), so the parts' state needs no locks; other threads go through
+``io.call_soon`` or take the lead themselves (``IOLoop.leadership``).
 
-Rank states::
+The parts, each owning its state (DESIGN.md, architecture rule 5)::
 
-    STARTING --READY--> READY <--> BUSY
-        |                 |         |
-        +----- exit ------+---------+--> policy: RESPAWNING --READY--> READY
-                                             or DEAD (respawn off) or FAILED (budget)
-    (any) --stop--> STOPPED
+    RankTable   ranktable.py   one record per rank; states change only by move()
+    CallTable   calltable.py   calls in flight: the one place a call's fate changes
+    Caller      calls.py       sends calls, waits for them, interrupts them
+    Recovery    recovery.py    deaths, respawns, re-formations (the policy's hands)
+    Inspector   inspector.py   stacks, hang watchdog, debugger relay
+    Supervisor  supervisor.py  rank processes, forked on the spawner thread
+    MetricsStore metricstore.py every rank's mnb.log series
 
-A death goes to the restart policy (policy.py); recovery.py (a mixin of this
-class) carries out its actions: respawn keeps the rank number and device, every member joins a new
-torch.distributed group (new generation, new port: never a store a dead
-member may still hold), ``--setup`` cells are replayed on the new process
-before any other call reaches it, and calls for a respawning rank wait.
-
-A call (issued by calls.py, a mixin of this class) is sent to the ``main``
-socket of each target rank, signed once, and completes when every target
-answered or died. A rank's RESULT is held back
-until all OUTPUT chunks it announced have arrived (they travel on the other
-socket), so a cell shows all of a rank's output before its result.
+A rank's RESULT is held back until all OUTPUT chunks and METRICS batches it
+announced have arrived (they travel on the other socket), so a cell shows
+all of a rank's output before its result.
 
 Non-goals: the user-facing API (mesh.py), process handling (supervisor.py).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import secrets
 import signal as signal_mod
@@ -41,41 +35,32 @@ from typing import Any
 
 from ..backends import BackendInfo
 from ..config import LOOPBACK, MeshConfig
-from ..errors import MonarchError, RankDied, RankErrors, RemoteError
-from ..results import RankResults
-from ..stacks import RankStacks
+from ..errors import MonarchError, RemoteError
+from ..futures import MeshFuture
 from ..wire import serialize
 from ..wire.metricframes import decode as decode_metrics
 from ..wire.protocol import Codec, Kind, Message, new_key
 from ..wire.transport import CurveKeys, IOLoop
-from .calls import Calls
+from .calls import Caller
+from .calltable import CallTable, PendingCall
+from .events import Event, EventKind
 from .inspector import Inspector
 from .launchers import Launcher, LocalLauncher
 from .metricstore import MetricsStore
 from .output import CallOutput, decode_items
-from .policy import (
-    Died,
-    Ready,
-    RestartPolicy,
-    Timer,
-)
-from .rankstate import (
-    Event,
-    PendingCall,
-    RankInfo,
-    RankState,
-    _free_port,
-    signal_name,
-)
+from .policy import RestartPolicy
+from .rankstates import GONE, LIVE, ON_ITS_WAY, RankState
+from .ranktable import RankInfo, RankTable, describe_exit, free_port
 from .recovery import Recovery
 from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
+__all__ = ["Controller", "Event", "EventKind", "RankInfo", "RankState"]
 
 
-class Controller(Calls, Inspector, Recovery):
-    """Runs the I/O thread, the supervisor and the bookkeeping of one mesh."""
+class Controller:
+    """Builds and runs the parts of one mesh (see the module docstring)."""
 
     def __init__(self, cfg: MeshConfig, backend: BackendInfo, world_size: int,
                  launcher: Launcher | None = None) -> None:
@@ -94,32 +79,86 @@ class Controller(Calls, Inspector, Recovery):
                          max_message_bytes=cfg.max_message_bytes, curve=self.curve)
         self.supervisor = Supervisor(
             world_size=world_size, backend=backend, controller_endpoint=self.io.endpoint,
-            key=self.key, mesh_id=self.mesh_id, master_port=_free_port(),
+            key=self.key, mesh_id=self.mesh_id, master_port=free_port(),
             controller_timeout=cfg.controller_timeout,
             extra_env={**dict(cfg.extra_env), **(self.curve.rank_env() if self.curve else {})},
             max_message_bytes=cfg.max_message_bytes, launcher=launcher or LocalLauncher(),
         )
-        self.ranks = [RankInfo(r) for r in range(world_size)]
-        self.events: list[Event] = []
+        self.ranks = RankTable(world_size)
+        self.calls = CallTable()
         self.metrics = MetricsStore(world_size)  # mnb.log series (metricstore.py)
-        self.calls: dict[int, PendingCall] = {}
-        self.interrupt_where: dict[int, dict[int, str]] = {}
-        self._call_ids = itertools.count(1)
-        self._by_ident: dict[bytes, RankInfo] = {}
-        self._state_changed = threading.Condition()
         self.default_output: CallOutput | None = None  # for output outside calls
-        self.policy = RestartPolicy(world_size, mode=cfg.respawn, budget=cfg.restart_budget,
-                                    window=cfg.restart_window)
-        self.generation = 0
-        self.setup_cells: list[dict[str, Any]] = []  # --setup cells, replayed on respawn
-        self.deferred: list[Callable[[], None]] = []  # calls waiting for respawning ranks
-        self.awaiting_reform: dict[int, float] = {}  # survivor -> deadline to answer REFORM
-        self.reform_probes: dict[int, float] = {}  # survivor -> when to ask where it is
-        self.started = False
+        self.announce: Callable[[str], None] | None = None  # also print notes here
         self.stopped = False
-        self.announce: Callable[[str], None] | None = None
-        self.settled_at = time.monotonic()  # last start, death or respawn
-        self._init_inspector()
+        self._state_changed = threading.Condition()
+        self._last_ping = 0.0
+        policy = RestartPolicy(world_size, mode=cfg.respawn, budget=cfg.restart_budget,
+                               window=cfg.restart_window)
+        self.recovery = Recovery(cfg, self.ranks, self.calls, self.supervisor, self.io,
+                                 self.codec, policy, announce=self._announce,
+                                 dispatch=lambda call: self.caller.dispatch(call),
+                                 default_output=lambda: self.default_output,
+                                 notify=self._notify)
+        self.inspector = Inspector(self.ranks, self.calls, self.io, self.codec, self._notify,
+                                   recovering=self._recovering)
+        self.caller = Caller(cfg, self.ranks, self.calls, self.io, self.codec, self.recovery,
+                             self.inspector)
+        self.calls.on_rank_done = self._rank_done
+        self.calls.on_finished = self._call_finished
+
+    # -- what the API reads ------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self.recovery.started
+
+    @property
+    def generation(self) -> int:
+        return self.recovery.generation
+
+    @property
+    def events(self) -> list[Event]:
+        return self.ranks.events
+
+    @property
+    def interrupt_where(self) -> dict[int, dict[int, str]]:
+        return self.caller.interrupt_where
+
+    @property
+    def prompts(self) -> Any:
+        return self.inspector.prompts
+
+    @property
+    def ask(self) -> Callable[[str], str] | None:
+        """How a debugger prompt is asked (default: builtins.input at the time)."""
+        return self.inspector.ask
+
+    @ask.setter
+    def ask(self, fn: Callable[[str], str] | None) -> None:
+        self.inspector.ask = fn
+
+    # the caller's side, for the API
+    def submit(self, *args: Any, **kwargs: Any) -> MeshFuture:
+        return self.caller.submit(*args, **kwargs)
+
+    def call(self, *args: Any, **kwargs: Any) -> MeshFuture:
+        return self.caller.call(*args, **kwargs)
+
+    def wait(self, future: MeshFuture, timeout: float | None = None) -> bool:
+        return self.caller.wait(future, timeout)
+
+    def pump(self, seconds: float) -> None:
+        self.caller.pump(seconds)
+
+    def interrupt(self, call_id: int) -> None:
+        self.caller.interrupt(call_id)
+
+    def restart(self, ranks: tuple[int, ...]) -> None:
+        self.recovery.restart(ranks)
+
+    def request_stacks_blocking(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inspector.request_stacks_blocking(*args, **kwargs)
+
+    describe_exit = staticmethod(describe_exit)
 
     # -- life cycle -------------------------------------------------------------
     def start(self, progress: Callable[[list[RankInfo]], None] | None = None) -> None:
@@ -130,7 +169,7 @@ class Controller(Calls, Inspector, Recovery):
         def spawn_all() -> None:
             try:
                 for info in self.ranks:
-                    self._spawn(info)
+                    self.recovery.start_process(info.rank, 0)
             finally:
                 spawned.set()
 
@@ -148,7 +187,7 @@ class Controller(Calls, Inspector, Recovery):
                 if failed:
                     raise self._start_failure(failed)
                 if ready == self.world_size:
-                    self.started = True
+                    self.recovery.started = True
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -166,64 +205,45 @@ class Controller(Calls, Inspector, Recovery):
         tail = "\n".join("    " + line for line in lines)
         return MonarchError(f"rank {info.rank} failed to start: {why}\n{tail}")
 
-    def _spawn(self, info: RankInfo) -> None:
-        self._by_ident.pop(info.main_id, None)  # the old incarnation's stragglers are ignored
-        self._by_ident.pop(info.ctl_id, None)
-        info.token = secrets.token_hex(8)
-        info.silent_for = None
-        info.exitcode = None
-        info.health = {}
-        proc = self.supervisor.spawn(info.rank, info.incarnation, info.identity)
-        info.pid = proc.pid
-        info.state = RankState.STARTING
-        info.started_at = time.monotonic()
-        # a new process owes no answer to a REFORM sent to the one it replaces
-        # (probed anyway, it would be "stuck" in its first collective)
-        self.awaiting_reform.pop(info.rank, None)
-        self.reform_probes.pop(info.rank, None)
-        info.last_heartbeat = info.started_at
-        self._by_ident[info.main_id] = info
-        self._by_ident[info.ctl_id] = info
-        self._event(info, "started", f"pid {proc.pid}" + (", from a spare" if proc.from_spare else ""))
-        if proc.pidfd is not None:
-            self.io.watch_fd(proc.pidfd, lambda: self._on_exit(info.rank, proc))
-
     def stop(self, grace: float = 3.0) -> None:
-        """Ask every rank to leave, kill what does not, stop the I/O thread."""
+        """End every call ("the mesh was stopped"), ask every rank to leave,
+        kill what does not, stop the I/O thread."""
         if self.stopped:
             return
         self.stopped = True
+        self.recovery.stopped = True
         if self.io.thread.is_alive():
             done = threading.Event()
 
             def send_stop() -> None:
-                frames = self.codec.sign(Kind.STOP)
-                for info in self.ranks:
-                    if info.state != RankState.DEAD:
-                        self.io.send(info.ctl_id, frames)
-                        self.io.send(info.main_id, frames)
-                done.set()
+                try:
+                    # first: a rank that exits on STOP must not read as a death
+                    self.calls.stop("the mesh was stopped while this call ran; "
+                                    "start a new one with %monarch start or Mesh.start()")
+                    frames = self.codec.sign(Kind.STOP)
+                    for info in self.ranks:
+                        if info.state not in GONE:
+                            self.io.send(info.ctl_id, frames)
+                            self.io.send(info.main_id, frames)
+                finally:
+                    done.set()
 
             self.io.call_soon(send_stop)
             done.wait(2)
+        else:
+            self.calls.stop("the mesh was stopped")
         self.supervisor.terminate_all(grace)
-        self.io.call_soon(self._fail_all_calls)
+        self.io.call_soon(lambda: self.calls.stop("the mesh was stopped"))
         self.io.stop()
         for info in self.ranks:
-            if info.state != RankState.DEAD:
-                info.state = RankState.STOPPED
+            if info.state != RankState.STOPPED:
+                self.ranks.move(info.rank, RankState.STOPPED)
+        self.ranks.record(-1, EventKind.STOPPED)
         self.supervisor.cleanup_logs()
-
-    def _fail_all_calls(self) -> None:
-        for call in list(self.calls.values()):
-            for rank in list(call.remaining):
-                call.errors[rank] = MonarchError(f"rank {rank}: the mesh was stopped during the call")
-                call.remaining.discard(rank)
-            self._maybe_finish(call)
 
     # -- I/O thread: messages -----------------------------------------------------------
     def _on_message(self, ident: bytes, msg: Message) -> None:
-        info = self._by_ident.get(ident)
+        info = self.ranks.lookup(ident)
         if info is None:
             return  # an old incarnation's straggler
         info.last_heartbeat = time.monotonic()
@@ -239,39 +259,22 @@ class Controller(Calls, Inspector, Recovery):
         elif kind == Kind.INTERRUPTED:
             # Kept even after the call finished: the answer travels on the
             # control socket and may overtake or trail the RESULT.
-            where = self.interrupt_where.get(msg.call)
+            where = self.caller.interrupt_where.get(msg.call)
             if where is not None:
                 where[info.rank] = str(msg.meta.get("where", ""))
         elif kind == Kind.HELLO:
             info.host = str(msg.meta.get("host", ""))
         elif kind == Kind.READY:
-            info.state = RankState.READY
-            info.device = str(msg.meta.get("device", ""))
-            info.ready_at = time.monotonic()
-            self.settled_at = info.ready_at
-            self._event(info, "ready", info.device)
-            if self.started:  # a respawned rank
-                self.policy.handle(Ready(info.rank, info.ready_at))
-                self._replay_setup(info)
-                self._reissue(info)
-                self._announce(f"monarch_nb: rank {info.rank} is back (incarnation "
-                               f"{info.incarnation}, generation {self.generation})")
-                self._run_deferred()
-            self._notify()
+            if info.state in ON_ITS_WAY:
+                self.recovery.on_ready(info, msg)
+                self._notify()
         elif kind == Kind.PROMPT:
-            self._on_prompt(info, msg)
+            self.inspector.on_prompt(info, msg)
         elif kind == Kind.STACKS_REPLY:
-            if not self._on_stacks_reply(info, msg) and info.rank in self.awaiting_reform:
-                st = RankStacks(info.rank, "ok", list(msg.meta.get("threads") or []))
-                if st.collective():  # stuck in the old group's collective
-                    self._replace_stuck(info.rank)
+            if not self.inspector.on_stacks_reply(info, msg):
+                self.recovery.on_probe(info, list(msg.meta.get("threads") or []))
         elif kind == Kind.REFORMED:
-            self.awaiting_reform.pop(info.rank, None)
-            error = None if msg.meta.get("joining") else msg.meta.get("error")
-            if error:
-                self._event(info, "reform_failed", str(error))
-                self._announce(f"monarch_nb: rank {info.rank} could not join generation "
-                               f"{msg.meta.get('generation')}: {error}")
+            self.recovery.on_reformed(info, msg)
         elif kind == Kind.FAILED_START:
             info.start_error = str(msg.meta.get("error", ""))
 
@@ -311,10 +314,11 @@ class Controller(Calls, Inspector, Recovery):
         if not msg.meta:  # a plain success: no output, no chunks to wait for, no error
             payload = msg.payload
             try:
-                call.results[info.rank] = serialize.loads(payload) if payload else None
+                value = serialize.loads(payload) if payload else None
             except serialize.SerializationError as exc:
-                call.errors[info.rank] = _unloadable(info.rank, exc)
-            self._rank_done(call, info)
+                self.calls.complete(call, info.rank, error=_unloadable(info.rank, exc))
+            else:
+                self.calls.complete(call, info.rank, value)
             return
         if call.chunks_seen.get(info.rank, 0) < _announced(msg):
             call.held[info.rank] = msg  # output chunks still on their way
@@ -329,109 +333,50 @@ class Controller(Calls, Inspector, Recovery):
             payload = payload[1:]
         if meta.get("ok", True):
             try:
-                call.results[info.rank] = serialize.loads(payload) if payload else None
+                value = serialize.loads(payload) if payload else None
             except serialize.SerializationError as exc:
-                call.errors[info.rank] = _unloadable(info.rank, exc)
+                self.calls.complete(call, info.rank, error=_unloadable(info.rank, exc))
+            else:
+                self.calls.complete(call, info.rank, value)
         else:
             err = msg.meta.get("error") or {}
-            call.errors[info.rank] = RemoteError(
+            self.calls.complete(call, info.rank, error=RemoteError(
                 info.rank, str(err.get("type", "Exception")), str(err.get("msg", "")),
-                str(err.get("tb", "")))
-        self._rank_done(call, info)
+                str(err.get("tb", ""))))
 
-    def _rank_done(self, call: PendingCall, info: RankInfo) -> None:
-        call.remaining.discard(info.rank)
-        call.progress_at = time.monotonic()
-        if self.prompts or self.debug_focus:
-            self._release_focus(call.call_id, info.rank)
-        calls = self.calls
-        if info.state == RankState.BUSY and (len(calls) == 1 or not any(
-            info.rank in c.remaining for c in calls.values()
-        )):
-            info.state = RankState.READY
-        if not call.remaining and not call.held:
-            self._maybe_finish(call)
+    # -- the call table's hooks ------------------------------------------------------
+    def _rank_done(self, call: PendingCall, rank: int) -> None:
+        inspector = self.inspector
+        if inspector.prompts or inspector.debug_focus:
+            inspector.release_focus(call.call_id, rank)
+        if self.ranks[rank].state == RankState.BUSY and (
+                len(self.calls) <= 1 or not self.calls.busy(rank)):
+            self.ranks.move(rank, RankState.READY)
 
-    def _maybe_finish(self, call: PendingCall) -> None:
-        if call.remaining or call.held:
-            return
-        self.calls.pop(call.call_id, None)
-        if self.prompts or self.debug_focus:
-            self._release_focus(call.call_id, -1)  # forget its debugger prompts
+    def _call_finished(self, call: PendingCall) -> None:
+        inspector = self.inspector
+        if inspector.prompts or inspector.debug_focus:
+            inspector.release_focus(call.call_id, -1)  # forget its debugger prompts
         call.output.flush(force=True)
-        future = call.future
-        if future.done():  # cancelled by the user
-            return
-        if call.setup is not None and not call.errors:
-            self.setup_cells.append(call.setup)
-        if call.errors:
-            self._classify_membership(call)
-            future.set_exception(RankErrors(dict(call.errors), dict(call.results), len(call.ranks)))
-        else:
-            future.set_result(RankResults(call.results))
+        # ranks of the call that owe nothing else are idle again
+        for rank in call.ranks:
+            if self.ranks[rank].state == RankState.BUSY and not self.calls.busy(rank):
+                self.ranks.move(rank, RankState.READY)
 
-    # -- I/O thread: deaths and ticks --------------------------------------------------
-    def _on_exit(self, rank: int, proc: Any = None) -> None:
-        info = self.ranks[rank]
-        code = self.supervisor.reap(rank, proc)
-        if proc is not None and proc is not self.supervisor.procs.get(rank):
-            return  # an incarnation that was already replaced
-        if code is None or info.state in (RankState.DEAD, RankState.FAILED, RankState.STOPPED):
-            return
-        info.exitcode = code
-        self.settled_at = time.monotonic()
-        was_starting = info.state == RankState.STARTING and not self.started
-        info.state = RankState.DEAD
-        detail = self.describe_exit(code)
-        if info.silent_for is not None:
-            detail = f"no heartbeat for {info.silent_for:.1f} s, killed"
-        self._event(info, "failed_start" if was_starting else "died", detail)
-        died = self._died(info)
-        for call in list(self.calls.values()):
-            if rank in call.remaining:
-                self._release_focus(call.call_id, rank)
-                call.held.pop(rank, None)
-                call.chunks_seen.pop(rank, None)
-                if call.elastic and not self.stopped:
-                    call.reissue.add(rank)  # runs again on the new process
-                    continue
-                call.remaining.discard(rank)
-                call.errors[rank] = died
-                self._maybe_finish(call)
-        if not self.stopped and not was_starting:
-            self._announce(f"monarch_nb: {str(died).splitlines()[0]}")
-            cause = signal_name(code) or f"exit code {code}"
-            if info.silent_for is not None:
-                cause = "missed heartbeats"
-            self._apply(self.policy.handle(Died(rank, time.monotonic(), cause, info.incarnation)))
-            self._keep_spare(time.monotonic())  # a backoff started: use the wait
-        self._notify()
-
-    def _announce(self, line: str) -> None:
-        # once per cell: a re-issued elastic call shares its cell's output
-        for output in {id(c.output): c.output for c in self.calls.values()}.values():
-            output.note(line)
-        if self.announce is not None:
-            self.announce(line)
-
-    def _died(self, info: RankInfo) -> RankDied:
-        return RankDied(info.rank, info.exitcode if (info.exitcode or 0) >= 0 else None,
-                        signal_name(info.exitcode), tuple(self.supervisor.tail(info.rank, 8)),
-                        info.incarnation, info.silent_for)
-
+    # -- I/O thread: ticks ---------------------------------------------------------------
     def _on_tick(self, now: float) -> float:
         if self.stopped:
             return 0.5
         for info in self.ranks:
             proc = self.supervisor.procs.get(info.rank)
-            if proc is None or info.state in (RankState.DEAD, RankState.FAILED, RankState.STOPPED):
+            if proc is None or info.state in GONE:
                 continue
             if proc.pidfd is None and proc.popen.poll() is not None:  # no pidfd: poll
-                self._on_exit(info.rank)
+                self.recovery.on_exit(info.rank)
+                self._notify()
                 continue
             silent = now - info.last_heartbeat
-            if (info.state not in (RankState.STARTING, RankState.RESPAWNING)
-                    and info.silent_for is None
+            if (info.state in LIVE and info.silent_for is None
                     and silent > self.cfg.heartbeat_timeout):
                 # Frozen: its control thread would answer even if user code
                 # were stuck. Kill it so its exit is reported like any death
@@ -439,21 +384,16 @@ class Controller(Calls, Inspector, Recovery):
                 # an error instead of waiting for the group timeout).
                 info.silent_for = silent
                 self.supervisor.signal(info.rank, signal_mod.SIGKILL)
-        self._inspector_tick(now)
-        self._keep_spare(now)
-        deadline = self.policy.next_deadline()
-        if deadline is not None and deadline <= now:
-            self._apply(self.policy.handle(Timer(now)))
-        self._check_reforms(now)
-        if now - getattr(self, "_last_ping", 0.0) >= self.cfg.heartbeat_interval:
+        self.inspector.tick(now)
+        self.recovery.tick(now)
+        if now - self._last_ping >= self.cfg.heartbeat_interval:
             self._last_ping = now
             frames = self.codec.sign(Kind.PING)
             for info in self.ranks:
-                if info.state in (RankState.READY, RankState.BUSY, RankState.STARTING,
-                                  RankState.RESPAWNING):
+                if info.state in LIVE or info.state in ON_ITS_WAY:
                     self.io.send(info.ctl_id, frames)
         pending = False
-        for call in self.calls.values():
+        for call in self.calls:
             call.output.flush(now=now)
             pending = pending or call.output.pending
         if self.default_output is not None:
@@ -462,19 +402,22 @@ class Controller(Calls, Inspector, Recovery):
         return 0.03 if pending else min(0.25, self.cfg.heartbeat_interval)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _event(self, info: RankInfo, kind: str, detail: str = "") -> None:
-        self.events.append(Event(time.time(), info.rank, info.incarnation, kind, detail))
+    def _recovering(self, rank: int) -> bool:
+        """``rank`` is being brought back (the hang watchdog waits meanwhile)."""
+        state = self.ranks[rank].state
+        return (state in ON_ITS_WAY or state == RankState.DEAD
+                or rank in self.recovery.awaiting_reform or self.recovery.policy.reform_pending())
+
+    def _announce(self, line: str) -> None:
+        # once per cell: a re-issued elastic call shares its cell's output
+        for output in {id(c.output): c.output for c in self.calls if not c.internal}.values():
+            output.note(line)
+        if self.announce is not None:
+            self.announce(line)
 
     def _notify(self) -> None:
         with self._state_changed:
             self._state_changed.notify_all()
-
-    @staticmethod
-    def describe_exit(code: int | None) -> str:
-        if code is None:
-            return "still running"
-        name = signal_name(code)
-        return f"killed by {name}" if name else f"exited with code {code}"
 
 
 def _unloadable(rank: int, exc: Exception) -> RemoteError:

@@ -1,10 +1,11 @@
 """Looking into running ranks from the controller: stack requests, the hang
 watchdog and the debugger relay.
 
-A mixin of :class:`~monarch_nb.controller.Controller` (one job, split out to
-keep both small). Its handlers run on the thread that leads the I/O loop,
-like every handler; the public entry points (:meth:`request_stacks_blocking`,
-:meth:`serve_prompt`) are called from the user's thread.
+A part of the controller with its own state (stack requests, queued
+prompts, debugger focus); it reads the rank and call tables. Its handlers
+run on the thread that leads the I/O loop, like every handler; the public
+entry points (:meth:`request_stacks_blocking`, :meth:`serve_prompt`) are
+called from the user's thread.
 
 * Stacks: a STACKS request goes to each rank's control thread, which answers
   even while the main thread is stuck. Replies are collected under a request
@@ -31,19 +32,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ..selection import format_ranks
 from ..stacks import RankStacks, Stacks, hang_report
-from ..wire.protocol import Kind, Message
-from .rankstate import RankInfo, RankState
-
-if TYPE_CHECKING:
-    from .core import Controller
-
-    _Base = Controller
-else:
-    _Base = object
+from ..wire.protocol import Codec, Kind, Message
+from ..wire.transport import IOLoop
+from .calltable import CallTable
+from .rankstates import LIVE
+from .ranktable import RankInfo, RankTable
 
 STACKS_TIMEOUT_S = 2.0
 # Debugger commands after which the rank runs on (another rank may be served).
@@ -66,8 +62,17 @@ class Prompt:
     text: str
 
 
-class Inspector(_Base):
-    def _init_inspector(self) -> None:
+class Inspector:
+    """Stack requests, the hang watchdog and the debugger relay of one mesh."""
+
+    def __init__(self, ranks: RankTable, calls: CallTable, io: IOLoop, codec: Codec,
+                 notify: Callable[[], None], recovering: Callable[[int], bool]) -> None:
+        self.ranks = ranks
+        self.calls = calls
+        self.io = io
+        self.codec = codec
+        self._notify = notify
+        self._recovering = recovering  # is this rank being brought back?
         self.stack_requests: dict[int, _StackRequest] = {}
         self.prompts: collections.deque[Prompt] = collections.deque()
         self.debug_focus: dict[int, int | None] = {}  # call -> rank being debugged
@@ -83,7 +88,7 @@ class Inspector(_Base):
         frames = self.codec.sign(Kind.STACKS, call=req_id)
         for r in ranks:
             info = self.ranks[r]
-            if info.state in (RankState.READY, RankState.BUSY):
+            if info.state in LIVE:
                 self.io.send(info.ctl_id, frames)
             else:
                 req.result[r] = RankStacks(r, status=info.state.value)
@@ -111,7 +116,7 @@ class Inspector(_Base):
                 st.native = native_stack(self.ranks[r].pid)
         return stacks
 
-    def _on_stacks_reply(self, info: RankInfo, msg: Message) -> bool:
+    def on_stacks_reply(self, info: RankInfo, msg: Message) -> bool:
         """True if the reply belonged to a request of ours."""
         req = self.stack_requests.get(msg.call)
         if req is None or info.rank not in req.ranks:
@@ -135,23 +140,26 @@ class Inspector(_Base):
         req.on_done(stacks)
 
     # -- hang watchdog ----------------------------------------------------------------
-    def _inspector_tick(self, now: float) -> None:
+    def tick(self, now: float) -> None:
         for req_id in list(self.stack_requests):
             self._maybe_finish_stacks(req_id, now)
-        for call in list(self.calls.values()):
+        for call in self.calls:
             limit = call.hang_timeout
             if not limit or call.hang_reported or not call.remaining:
                 continue
             if self.debug_focus.get(call.call_id) is not None or any(
                     p.call_id == call.call_id for p in self.prompts):
                 continue  # the user is in a debugger: not a hang
+            if any(self._recovering(r) for r in call.ranks) or call.reissue:
+                call.progress_at = now  # recovery is under way: not a hang
+                continue
             if now - call.progress_at >= limit:
                 call.hang_reported = True
                 self.request_stacks(tuple(sorted(call.remaining)),
                                     lambda st, c=call, s=limit: c.output.note(hang_report(st, s)))
 
     # -- debugger relay -----------------------------------------------------------------
-    def _on_prompt(self, info: RankInfo, msg: Message) -> None:
+    def on_prompt(self, info: RankInfo, msg: Message) -> None:
         call = self.calls.get(msg.call)
         if call is None:
             return
@@ -166,7 +174,7 @@ class Inspector(_Base):
         self.prompts.append(Prompt(call.call_id, info.rank, text))
         self._notify()
 
-    def _release_focus(self, call_id: int, rank: int) -> None:
+    def release_focus(self, call_id: int, rank: int) -> None:
         """I/O thread: ``rank`` finished or died: its debugger session is over."""
         if self.debug_focus.get(call_id) == rank:
             self.debug_focus[call_id] = None

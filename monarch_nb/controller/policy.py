@@ -227,6 +227,18 @@ class RestartPolicy:
         r.phase = RankPhase.RESPAWNING
         return r.incarnation
 
+    def coming_back(self, rank: int) -> bool:
+        """Will ``rank`` have a new process without anyone asking? (Waiting
+        out its backoff or already respawning; not DEAD with respawn off, not
+        FAILED.) The one place this is decided: never re-derive it from the
+        respawn mode."""
+        return self.ranks[rank].phase in (RankPhase.WAITING, RankPhase.RESPAWNING)
+
+    def reform_pending(self) -> bool:
+        """A rank waits out its backoff: the group is about to be re-formed,
+        so a call sent to its members now would run on the old group."""
+        return any(r.phase == RankPhase.WAITING for r in self.ranks)
+
     def next_deadline(self) -> float | None:
         """When the controller should send the next Timer, if ever."""
         times = [r.respawn_at for r in self.ranks

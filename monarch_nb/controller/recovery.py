@@ -1,210 +1,350 @@
-"""Carrying out the restart policy's actions (policy.py decides, this does).
+"""Recovery: carries out the restart policy's decisions (policy.py decides).
 
-A mixin of :class:`~monarch_nb.controller.Controller`, split out because it is
-one job: respawn a dead rank with the same rank number and device, form a new
-torch.distributed group (new generation, new store port, never one a dead
-member may still hold), replay ``--setup`` cells on the new process before any
-other call reaches it, re-issue ``--elastic`` calls on it, send the calls that
-waited for it, and replace survivors left stuck in a collective (gloo does not
-fail a rank that waits on a peer that gave up). Runs on the thread that leads
-the I/O loop, like every handler.
+Owns the life of rank processes after the first start: a death goes to the
+policy, and its actions are done here. Respawn keeps the rank number and
+device; every member joins a new torch.distributed group (new generation,
+new store port, never one a dead member may still hold); ``--setup`` cells
+are replayed on the new process before any other call reaches it;
+``--elastic`` calls are re-issued on it; calls that waited are sent.
 
-Non-goals: deciding (policy.py), messages and calls (controller.py).
+Calls never reach a group that is about to change: while a dead rank waits
+out its backoff, new calls wait too (the re-run of a launched script would
+otherwise start on the old group and fail), and go out once the REFORM is
+queued ahead of them.
+
+Survivors release one another: a rank whose call failed because a peer
+left (or with a REFORM waiting) leaves its group at once, which fails its
+peers out of their collectives too (engine/worker.py). A member still not
+out of the old group's collective ``REFORM_GRACE_S`` after the REFORM is
+probed (its stacks) and only then replaced; an elastic call takes its state
+back from a peer, so nothing is lost.
+
+A rank whose budget is spent (GiveUp) ends the calls that wait for it: an
+elastic call cannot finish without it, so its survivors are interrupted and
+the call fails at once with the reason and what to do.
+
+State owned here: the generation, the members awaiting a re-formation, the
+time the mesh last settled. Runs on the thread that leads the I/O loop.
+
+Non-goals: deciding (policy.py), messages (core.py), calls (calltable.py).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-from ..errors import MembershipChanged, RankDied, RemoteError, is_peer_loss
+from ..config import MeshConfig
+from ..errors import MembershipChanged, MonarchError, RankDied, RankErrors
 from ..futures import MeshFuture
-from ..wire.protocol import Kind
+from ..stacks import RankStacks
+from ..wire.protocol import Codec, Kind, Message
+from ..wire.transport import IOLoop
+from .calltable import CallTable, PendingCall
+from .events import EventKind
 from .output import CallOutput
-from .policy import GiveUp, Kill, Reform, Report, Respawn, RestartRequested
-from .rankstate import (
-    REFORM_GRACE_S,
-    REFORM_PROBE_S,
-    Event,
-    PendingCall,
-    RankInfo,
-    RankState,
-    _free_port,
+from .policy import (
+    Died,
+    GiveUp,
+    Kill,
+    Ready,
+    Reform,
+    Report,
+    Respawn,
+    RestartPolicy,
+    RestartRequested,
+    Timer,
 )
+from .rankstates import GONE, LIVE, ON_ITS_WAY, RankState
+from .ranktable import RankInfo, RankTable, describe_exit, free_port, signal_name
+from .supervisor import RankProcess, Supervisor
 
-if TYPE_CHECKING:
-    from .core import Controller
-
-    _Base = Controller
-else:
-    _Base = object
-
-
+REFORM_GRACE_S = 3.0  # a member still in the old group's collective this long after the REFORM is probed
 SPARE_DELAY_S = 2.0  # settled this long before a spare process is started
 
 
-class Recovery(_Base):
+class Recovery:
+    """Starts, replaces and re-forms ranks; the policy's hands."""
+
+    def __init__(self, cfg: MeshConfig, ranks: RankTable, calls: CallTable, supervisor: Supervisor,
+                 io: IOLoop, codec: Codec, policy: RestartPolicy, *,
+                 announce: Callable[[str], None], dispatch: Callable[[PendingCall], None],
+                 default_output: Callable[[], CallOutput | None],
+                 notify: Callable[[], None] = lambda: None) -> None:
+        self.cfg = cfg
+        self.ranks = ranks
+        self.calls = calls
+        self.supervisor = supervisor
+        self.io = io
+        self.codec = codec
+        self.policy = policy
+        self._announce = announce
+        self._dispatch = dispatch
+        self._default_output = default_output
+        self._notify = notify  # a rank's state changed (Controller.start waits on it)
+        self.generation = 0
+        self.started = False  # the first start is over (later READYs are respawns)
+        self.stopped = False
+        self.awaiting_reform: dict[int, float] = {}  # member -> when to look where it is
+        self.settled_at = time.monotonic()  # last start, death or respawn
+
+    # -- processes ----------------------------------------------------------------
+    def start_process(self, rank: int, incarnation: int) -> None:
+        """A process for ``rank`` (forked on the spawner thread)."""
+        info = self.ranks.bind(rank, incarnation)
+        # a new process owes no answer to a REFORM sent to the one it replaces
+        self.awaiting_reform.pop(rank, None)
+        proc = self.supervisor.spawn(rank, incarnation, info.identity)
+        info.pid = proc.pid
+        self.ranks.record(rank, EventKind.STARTED,
+                          f"pid {proc.pid}" + (", from a spare" if proc.from_spare else ""))
+        if proc.pidfd is not None:
+            self.io.watch_fd(proc.pidfd, lambda: self._exit_seen(rank, proc))
+
+    def _exit_seen(self, rank: int, proc: RankProcess | None) -> None:
+        self.on_exit(rank, proc)
+        self._notify()
+
+    def died_error(self, info: RankInfo) -> RankDied:
+        return RankDied(info.rank, info.exitcode if (info.exitcode or 0) >= 0 else None,
+                        signal_name(info.exitcode), tuple(self.supervisor.tail(info.rank, 8)),
+                        info.incarnation, info.silent_for)
+
+    # -- events -------------------------------------------------------------------
+    def on_exit(self, rank: int, proc: RankProcess | None = None) -> None:
+        """A rank's process ended (pidfd, or the tick's poll)."""
+        info = self.ranks[rank]
+        code = self.supervisor.reap(rank, proc)
+        if proc is not None and proc is not self.supervisor.procs.get(rank):
+            return  # an incarnation that was already replaced
+        if code is None or info.state in GONE:
+            return
+        info.exitcode = code
+        self.settled_at = time.monotonic()
+        was_starting = info.state == RankState.STARTING and not self.started
+        self.ranks.move(rank, RankState.DEAD)
+        detail = describe_exit(code)
+        if info.silent_for is not None:
+            detail = f"no heartbeat for {info.silent_for:.1f} s, killed"
+        self.ranks.record(rank, EventKind.FAILED_START if was_starting else EventKind.DIED, detail)
+        died = self.died_error(info)
+        if self.stopped or was_starting:
+            self.calls.fail(rank, died, coming_back=False)
+            return
+        cause = signal_name(code) or f"exit code {code}"
+        if info.silent_for is not None:
+            cause = "missed heartbeats"
+        actions = self.policy.handle(Died(rank, time.monotonic(), cause, info.incarnation))
+        self._announce(f"monarch_nb: {str(died).splitlines()[0]}")
+        self.apply(actions)  # first: a GiveUp ends the calls with its own reason
+        self.calls.fail(rank, died, coming_back=self.policy.coming_back(rank))
+        self.keep_spare(time.monotonic())  # a backoff started: use the wait
+
+    def on_ready(self, info: RankInfo, msg: Message) -> None:
+        self.ranks.move(info.rank, RankState.READY)
+        info.device = str(msg.meta.get("device", ""))
+        info.ready_at = time.monotonic()
+        self.settled_at = info.ready_at
+        self.ranks.record(info.rank, EventKind.READY, info.device)
+        if not self.started:
+            return
+        self.policy.handle(Ready(info.rank, info.ready_at))
+        self._replay_setup(info)
+        for call in self.calls.reissue(info.rank):  # after the setup: first in, first out
+            self.ranks.move(info.rank, RankState.BUSY)
+            call.progress_at = info.ready_at
+            self.io.send(info.main_id, call.frames)
+        self._announce(f"monarch_nb: rank {info.rank} is back (incarnation "
+                       f"{info.incarnation}, generation {self.generation})")
+        self.send_waiting()
+
+    def on_reformed(self, info: RankInfo, msg: Message) -> None:
+        self.awaiting_reform.pop(info.rank, None)
+        self._progress(info.rank)
+        error = None if msg.meta.get("joining") else msg.meta.get("error")
+        if error:
+            self.ranks.record(info.rank, EventKind.REFORM_FAILED, str(error))
+            self._announce(f"monarch_nb: rank {info.rank} could not join generation "
+                           f"{msg.meta.get('generation')}: {error}")
+
+    def on_probe(self, info: RankInfo, threads: list[Any]) -> None:
+        """Where a member that has not answered its REFORM stands."""
+        if info.rank not in self.awaiting_reform:
+            return
+        if RankStacks(info.rank, "ok", threads).collective():
+            self.replace_stuck(info.rank)  # still in the old group's collective
+        else:  # busy computing: leave it, look again later
+            self.awaiting_reform[info.rank] = time.monotonic() + REFORM_GRACE_S
+
     def restart(self, ranks: tuple[int, ...]) -> None:
         """Replace ``ranks`` with new processes (thread-safe; user request)."""
-        self.io.call_soon(lambda: self._apply(self.policy.handle(
+        self.io.call_soon(lambda: self.apply(self.policy.handle(
             RestartRequested(ranks, time.monotonic()))))
 
-    def _apply(self, actions: list[Any]) -> None:
+    def tick(self, now: float) -> None:
+        deadline = self.policy.next_deadline()
+        if deadline is not None and deadline <= now:
+            self.apply(self.policy.handle(Timer(now)))
+        for rank, look_at in list(self.awaiting_reform.items()):
+            if now > look_at:
+                # where is it? on_probe replaces it if still in a collective
+                self.awaiting_reform[rank] = now + REFORM_GRACE_S
+                self.io.send(self.ranks[rank].ctl_id, self.codec.sign(Kind.STACKS))
+        self.keep_spare(now)
+
+    # -- calls ----------------------------------------------------------------------
+    def must_wait(self, ranks: tuple[int, ...]) -> bool:
+        """A call to ``ranks`` must not be sent now: one of them is on its way
+        back, or the group is about to be re-formed."""
+        if not self.started:
+            return False
+        if self.policy.reform_pending():
+            return True
+        for r in ranks:
+            state = self.ranks[r].state
+            if state in ON_ITS_WAY or (state == RankState.DEAD and self.policy.coming_back(r)):
+                return True
+        return False
+
+    def send_waiting(self) -> None:
+        for call in self.calls.take_waiting():
+            self._dispatch(call)  # waits again if it still must
+
+    def _progress(self, rank: int) -> None:
+        """Recovery is progress for the calls of ``rank`` (hang watchdog)."""
+        now = time.monotonic()
+        for call in self.calls:
+            if rank in call.remaining or rank in call.reissue:
+                call.progress_at = now
+
+    # -- the policy's actions ---------------------------------------------------------
+    def apply(self, actions: list[Any]) -> None:
         for action in actions:
             if isinstance(action, Report):
                 self._announce(f"monarch_nb: {action.message}")
-                self._fail_reissues(self.ranks[action.rank])
+                info = self.ranks[action.rank]
+                self.calls.fail(action.rank, self.died_error(info), coming_back=False)
             elif isinstance(action, GiveUp):
-                info = self.ranks[action.rank]
-                info.state = RankState.FAILED
-                self._event(info, "gave_up", action.reason)
-                self._announce(f"monarch_nb: {action.reason}")
-                self._fail_reissues(info)
-                self._run_deferred()  # calls waiting for it now fail with RankDied
+                self._give_up(action)
             elif isinstance(action, Kill):
-                proc = self.supervisor.procs.get(action.rank)
-                info = self.ranks[action.rank]
-                if proc is not None:
-                    self.supervisor.kill_proc(proc)
-                    # its exit is old news: fail its calls now, the pidfd event is ignored
-                    info.exitcode = -9
-                    died = self._died(info)
-                    for call in list(self.calls.values()):
-                        if action.rank in call.remaining:
-                            call.remaining.discard(action.rank)
-                            call.held.pop(action.rank, None)
-                            call.errors[action.rank] = died
-                            self._maybe_finish(call)
+                self._kill(action.rank)
             elif isinstance(action, Respawn):
-                info = self.ranks[action.rank]
-                info.incarnation = action.incarnation
-                info.state = RankState.RESPAWNING
+                self.ranks.move(action.rank, RankState.RESPAWNING)
+                self.ranks[action.rank].incarnation = action.incarnation
             elif isinstance(action, Reform):
                 self._reform(action)
+
+    def _kill(self, rank: int) -> None:
+        """Mode ``all`` or a user's restart: the live process goes now; its
+        exit is old news (the pidfd event finds the rank already DEAD)."""
+        info = self.ranks[rank]
+        proc = self.supervisor.procs.get(rank)
+        if proc is None or info.state in GONE:
+            return
+        self.supervisor.kill_proc(proc)
+        info.exitcode = -9
+        self.ranks.move(rank, RankState.DEAD)
+        self.calls.fail(rank, self.died_error(info), coming_back=False)
+
+    def _give_up(self, action: GiveUp) -> None:
+        rank = action.rank
+        self.ranks.move(rank, RankState.FAILED)
+        self.ranks.record(rank, EventKind.GAVE_UP, action.reason)
+        self._announce(f"monarch_nb: {action.reason}")
+        gone = MonarchError(action.reason)
+        affected = [c for c in self.calls if rank in c.reissue or rank in c.remaining]
+        self.calls.fail(rank, gone, coming_back=False)
+        for call in affected:
+            if not call.elastic:
+                continue
+            # the others wait for it to come back (a REFORM, a state sync):
+            # it will not, so the call ends now, and they are interrupted
+            survivors = set(call.remaining)
+            frames = self.codec.sign(Kind.INTERRUPT, call=call.call_id)
+            for r in survivors:
+                if self.ranks[r].state in LIVE:
+                    self.io.send(self.ranks[r].ctl_id, frames)
+            self.calls.abandon(call, survivors, lambda r: MembershipChanged(
+                r, (rank,), f"rank {rank} is not coming back (restart budget spent); "
+                f"the elastic call was ended. %monarch restart {rank} brings it back"))
+        self.send_waiting()  # calls waiting for it now fail
 
     def _reform(self, action: Reform) -> None:
         """New generation: fresh store port; respawning members start with
         it, live members are told to leave their group and join it."""
         self.generation = action.generation
-        port = _free_port()
+        port = free_port()
         self.supervisor.master_port = port
         self.supervisor.generation = action.generation
         frames = self.codec.sign(Kind.REFORM, meta={"generation": action.generation, "port": port})
+        now = time.monotonic()
         for rank in action.ranks:
             info = self.ranks[rank]
             if info.state == RankState.RESPAWNING:
                 old = self.supervisor.procs.get(rank)
                 if old is not None and old.popen.poll() is None:
                     self.supervisor.kill_proc(old)  # never two processes for one rank
-                self._spawn(info)
-                info.state = RankState.RESPAWNING
-                self._event(info, "respawned", f"generation {action.generation}")
-            elif info.state in (RankState.READY, RankState.BUSY):
-                # queued behind the rank's current call: a survivor stuck in a
-                # collective with the dead rank fails out of it first (gloo
-                # errors within ~0.2 s), then re-forms
+                self.start_process(rank, info.incarnation)
+                self.ranks.record(rank, EventKind.RESPAWNED, f"generation {action.generation}")
+            elif info.state in LIVE:
+                # queued behind the rank's current call: a survivor in a
+                # collective with the dead rank fails out of it first (and
+                # leaves its group, releasing its peers), then re-forms
                 self.io.send(info.main_id, frames)
                 if info.state == RankState.BUSY:
-                    now = time.monotonic()
                     self.awaiting_reform[rank] = now + REFORM_GRACE_S
-                    self.reform_probes[rank] = now + REFORM_PROBE_S
-        self.events.append(Event(time.time(), -1, 0, "reformed",
-                                 f"generation {action.generation}, ranks {list(action.ranks)}"))
+        self.ranks.record(-1, EventKind.REFORMED,
+                          f"generation {action.generation}, ranks {list(action.ranks)}")
+        self.send_waiting()  # behind the REFORM on every live member's socket
 
-    def _replay_setup(self, info: RankInfo) -> None:
-        """Send the recorded --setup cells to a respawned rank, in order,
-        ahead of any deferred call (its main socket is first in, first out)."""
-        for cell in self.setup_cells:
-            call_id = next(self._call_ids)
-            future = MeshFuture(call_id, (info.rank,), self.interrupt)
-            out = self.default_output or CallOutput()
-            call = PendingCall(call_id, (info.rank,), out, future, {info.rank})
-            self.calls[call_id] = call
-
-            def report(fut: MeshFuture, rank: int = info.rank, name: str = cell["name"]) -> None:
-                if fut.exception() is not None:
-                    self._event(self.ranks[rank], "setup_failed", f"{name}: {fut.exception()}")
-                    self._announce(f"monarch_nb: replaying setup cell {name} on rank {rank} "
-                                   f"failed: {str(fut.exception()).splitlines()[-1]}")
-
-            future.add_done_callback(report)
-            self.io.send(info.main_id, self.codec.sign(Kind.EXEC, call=call_id, meta=cell))
-
-    def _check_reforms(self, now: float) -> None:
-        """Members told to re-form that did not answer in time."""
-        for rank, probe_at in list(self.reform_probes.items()):
-            if rank not in self.awaiting_reform:
-                del self.reform_probes[rank]
-            elif now > probe_at:
-                # where is it? the STACKS_REPLY replaces it if in a collective
-                del self.reform_probes[rank]
-                self.io.send(self.ranks[rank].ctl_id, self.codec.sign(Kind.STACKS))
-        for rank, answer_by in list(self.awaiting_reform.items()):
-            if now > answer_by:
-                info = self.ranks[rank]
-                if any(c.elastic and rank in c.remaining for c in self.calls.values()):
-                    self._replace_stuck(rank)  # its state comes back from a peer
-                else:
-                    # Only a rank stuck *in a collective* is replaced (its state
-                    # is lost, the alternative is a hang until the group
-                    # timeout); one that is busy computing is left alone.
-                    self.awaiting_reform[rank] = now + REFORM_GRACE_S
-                    self.io.send(info.ctl_id, self.codec.sign(Kind.STACKS))
-
-    def _replace_stuck(self, rank: int) -> None:
-        """An elastic survivor that did not answer the re-formation is stuck
-        in a collective with a peer that left (gloo does not always fail it).
-        Replace its process in the current generation; like a respawned rank
-        it takes the state from a live peer, so nothing is lost."""
+    def replace_stuck(self, rank: int) -> None:
+        """A member still inside the old group's collective after the grace:
+        replace its process in the current generation. An elastic call is
+        re-issued on the new one, which takes its state from a live peer."""
         self.awaiting_reform.pop(rank, None)
         info = self.ranks[rank]
         old = self.supervisor.procs.get(rank)
-        if old is None or info.state not in (RankState.READY, RankState.BUSY):
+        if old is None or info.state not in LIVE:
             return
         self.supervisor.kill_proc(old)
-        for call in self.calls.values():
-            if rank in call.remaining:
-                call.held.pop(rank, None)
-                call.chunks_seen.pop(rank, None)
-                if call.elastic:
-                    call.reissue.add(rank)
-                else:
-                    call.remaining.discard(rank)
-                    call.errors[rank] = MembershipChanged(rank, (), "replaced: stuck in a "
-                                                         "collective after a member died")
-        info.incarnation = self.policy.replace(rank)
-        info.state = RankState.RESPAWNING
-        self._spawn(info)
-        info.state = RankState.RESPAWNING
-        self._event(info, "replaced", f"stuck in a collective; joins generation {self.generation}")
+        self.calls.fail(rank, MembershipChanged(rank, (), "its process was replaced: it was "
+                                                "stuck in a collective after a member died"),
+                        coming_back=True)
+        self.ranks.move(rank, RankState.RESPAWNING)
+        self.start_process(rank, self.policy.replace(rank))
+        self.ranks.record(rank, EventKind.REPLACED,
+                          f"stuck in a collective; joins generation {self.generation}")
         self._announce(f"monarch_nb: rank {rank} was stuck in a collective after the group "
                        f"changed; replaced it (incarnation {info.incarnation})")
-        for call in list(self.calls.values()):
-            self._maybe_finish(call)
 
-    def _reissue(self, info: RankInfo) -> None:
-        """Elastic calls that lost this rank run again on its new process
-        (after the setup replay: the main socket is first in, first out)."""
-        for call in list(self.calls.values()):
-            if info.rank in call.reissue:
-                call.reissue.discard(info.rank)
-                info.state = RankState.BUSY
-                self.io.send(info.main_id, call.frames)
+    def _replay_setup(self, info: RankInfo) -> None:
+        """Send the recorded --setup cells to a new process, in order, ahead
+        of any other call (its main socket is first in, first out)."""
+        for cell in self.calls.setup_cells:
+            call_id = self.calls.next_id()
+            future = MeshFuture(call_id, (info.rank,), lambda _id: None)
+            frames = self.codec.sign(Kind.EXEC, call=call_id, meta=cell)
+            call = self.calls.new(call_id, (info.rank,), self._default_output() or CallOutput(),
+                                  future, frames=frames, internal=True)
+            self.calls.sent(call)
+            future.add_done_callback(
+                lambda fut, rank=info.rank, name=cell["name"]: self._replay_done(fut, rank, name))
+            self.io.send(info.main_id, frames)
 
-    def _fail_reissues(self, info: RankInfo) -> None:
-        for call in list(self.calls.values()):
-            if info.rank in call.reissue:
-                call.reissue.discard(info.rank)
-                call.remaining.discard(info.rank)
-                call.errors[info.rank] = self._died(info)
-                self._maybe_finish(call)
+    def _replay_done(self, fut: MeshFuture, rank: int, name: str) -> None:
+        exc = fut.exception()
+        if exc is None:
+            return
+        err = exc.errors.get(rank, exc) if isinstance(exc, RankErrors) else exc
+        if isinstance(err, RankDied):
+            return  # the death is announced on its own
+        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+        reason = lines[-1] if lines else type(err).__name__
+        self.ranks.record(rank, EventKind.SETUP_FAILED, f"{name}: {reason}")
+        self._announce(f"monarch_nb: replaying setup cell {name} on rank {rank} failed: {reason}")
 
-    def _run_deferred(self) -> None:
-        pending, self.deferred = self.deferred, []
-        for go in pending:
-            go()  # re-defers itself if a target is still respawning
-
-    def _keep_spare(self, now: float) -> None:
+    def keep_spare(self, now: float) -> None:
         """Start a spare process once the mesh has been settled for a while
         (not during start-up or a recovery, whose CPU it would slow), or at
         once while a dead rank waits out its respawn backoff: that wait is
@@ -212,19 +352,9 @@ class Recovery(_Base):
         sup = self.supervisor
         if sup.spare is not None and sup.spare.poll() is not None:
             sup.spare = None  # it died (out of memory?); another one later
-        if not (self.cfg.spare and self.started and sup.spare is None):
+        if not (self.cfg.spare and self.started and not self.stopped and sup.spare is None):
             return
         if self.policy.next_deadline() is not None or (
                 now - self.settled_at >= SPARE_DELAY_S
-                and all(r.state in (RankState.READY, RankState.BUSY) for r in self.ranks)):
+                and all(r.state in LIVE for r in self.ranks)):
             sup.start_spare()
-
-    def _classify_membership(self, call: PendingCall) -> None:
-        """Survivors cut short in a collective by a death get MembershipChanged
-        instead of a raw gloo/nccl error."""
-        dead = [r for r, e in call.errors.items() if isinstance(e, RankDied)]
-        if not dead:
-            return
-        for rank, err in list(call.errors.items()):
-            if isinstance(err, RemoteError) and is_peer_loss(f"{err.type_name} {err.message}"):
-                call.errors[rank] = MembershipChanged(rank, dead, err.message.splitlines()[0][:200])

@@ -6,9 +6,9 @@ initialised CUDA. The key travels in the child's environment (never argv).
 Each rank writes stdout/stderr to its own log file in a private (0700)
 directory: ``RankDied`` quotes its last lines and ``%monarch logs`` reads it.
 
-Spawning happens on the controller's I/O thread on purpose: Linux delivers a
-child's parent-death signal when the *thread* that forked it exits, and the
-I/O thread lives exactly as long as the mesh.
+Every fork goes through the mesh's spawner thread (spawner.py): Linux
+delivers a child's parent-death signal when the *thread* that forked it
+exits, and that thread lives exactly as long as the mesh.
 
 Exit detection: each child's pidfd is watched by the I/O thread's poller, so a
 death is seen as soon as it happens; where pidfds do not exist the controller's
@@ -31,6 +31,7 @@ from .. import config
 from ..backends import BackendInfo, pin_env
 from . import spares
 from .launchers import Launcher, LocalLauncher
+from .spawner import Spawner
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Supervisor:
     max_message_bytes: int = 4 << 30
     extra_env: dict[str, str] = field(default_factory=dict)
     launcher: Launcher = field(default_factory=LocalLauncher)
+    spawner: Spawner = field(default_factory=Spawner)  # forks every process
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="monarch-nb-"))
     procs: dict[int, RankProcess] = field(default_factory=dict)
     history: list[RankProcess] = field(default_factory=list)
@@ -119,7 +121,7 @@ class Supervisor:
         env.update({config.ENV_PARENT_PID: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
         self._spares += 1
         self.spare_log = os.path.join(self.log_dir, f"spare{self._spares}.log")
-        self.spare = spares.start(env, self.spare_log)
+        self.spare = self.spawner.call(spares.start, env, self.spare_log)
 
     def spare_ready(self) -> bool:
         """A spare is waiting with torch imported (the next respawn is fast)."""
@@ -140,7 +142,7 @@ class Supervisor:
         if popen is None:
             log = open(log_path, "ab", buffering=0)
             try:
-                popen = self.launcher.start(rank, env, log)
+                popen = self.spawner.call(self.launcher.start, rank, env, log)
             finally:
                 log.close()
         proc = RankProcess(rank, incarnation, popen, log_path, from_spare=from_spare)
@@ -253,6 +255,7 @@ class Supervisor:
         psutil.wait_procs(still, timeout=5)
         for rank in list(self.procs):
             self.reap(rank)
+        self.spawner.stop()  # after the children: its end is their parent-death signal
 
     def cleanup_logs(self) -> None:
         import shutil

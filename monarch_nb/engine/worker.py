@@ -42,11 +42,12 @@ import zmq
 from .. import config
 from ..backends import JoinAborted, JoinFailed, init_group, leave_group
 from ..config import RankEnv
+from ..errors import is_peer_loss
 from ..wire import serialize
 from ..wire.protocol import Codec, Kind, Message
 from ..wire.transport import dealer, recv_verified, send_frames, socket_send
 from . import context as _context
-from . import debug, metrics, spare
+from . import debug, metrics, pgcompat, spare
 from .capture import OutputBuffer, RankStream
 from .health import HealthProbe
 
@@ -105,6 +106,7 @@ class Worker:
         # A debugger (or input()) on the main thread waits for a line: the
         # control thread sends this prompt after the output before it.
         self.prompt_out: tuple[int, str] | None = None
+        self._cell_argv: list[str] = sys.argv
         self.stdin = debug.RelayStdin(self._ask_input, lambda: self.output.take_partial("stdout"),
                                       self.main_thread_id)
 
@@ -133,6 +135,9 @@ class Worker:
             self._send_main(Kind.FAILED_START, meta={"error": f"{type(exc).__name__}: {exc}", "tb": text})
             sys.__stderr__.write(text)
             self._exit(2)
+        pgcompat.install()  # the user's init/destroy_process_group keep the mesh's group
+        # argparse names the program after sys.argv[0]: the cell, not worker.py
+        self._cell_argv = sys.argv = ["<mnb-cell>"]
         self._send_main(Kind.READY, meta={"device": device, "pid": os.getpid()})
 
     # -- main thread -----------------------------------------------------------
@@ -198,6 +203,7 @@ class Worker:
             # kept for %monarch debug, as the interactive interpreter keeps it
             sys.last_exc, sys.last_type, sys.last_value, sys.last_traceback = (  # type: ignore[attr-defined]
                 exc, type(exc), exc, exc.__traceback__)
+            self._release_peers(error)
         n_out, tail = self.output.finish()
         if (n_out or tail) and isinstance(sys.stdout, RankStream):
             sys.stdout.flush()  # into the rank's log file too (%monarch logs)
@@ -246,6 +252,16 @@ class Worker:
             self._send_main(Kind.RESULT, payload, call=call, meta=meta)
         else:  # one frame: no send_frames loop
             socket_send(self.main_sock, self.main_codec.sign(Kind.RESULT, (), call=call, meta=meta)[0])
+
+    def _release_peers(self, error: dict[str, str]) -> None:
+        """A call failed because a peer left (or with a REFORM already
+        waiting): leave the group now, not when the REFORM is served. gloo
+        then closes this rank's connections, so a peer still waiting on it
+        in a collective fails out too, instead of staying stuck until the
+        controller replaces its process (what mnb.elastic does as well)."""
+        generation = int(_context._state.get("generation", 0))
+        if is_peer_loss(f"{error['type']} {error['msg']}") or self._newer_reform(generation):
+            leave_group()
 
     def await_reform(self, timeout: float = 300.0) -> int:
         """For mnb.elastic, on the main thread inside a call: wait for the
@@ -345,6 +361,8 @@ class Worker:
         return generation
 
     def _run_cell(self, code: str, name: str) -> Any:
+        if sys.argv is self._cell_argv:  # untouched by the user: name this cell
+            self._cell_argv = sys.argv = [name]
         lines = code.splitlines(True)
         linecache.cache[name] = (len(code), None, lines, name)  # tracebacks show cell source
         tree = ast.parse(code, filename=name, mode="exec")

@@ -47,7 +47,7 @@ class Dashboard(anywidget.AnyWidget):
     def __init__(self, mesh: Any, max_hz: float | None = None) -> None:
         super().__init__(world_size=mesh.world_size, uid=secrets.token_hex(8))
         self.mesh = mesh
-        self.feed = Feed(mesh._ctl.metrics, mesh.status, lambda: mesh.events)
+        self.feed = Feed(mesh.metrics, mesh.status, lambda: mesh.events)
         self.throttle = Throttle(max_hz) if max_hz else Throttle()
         self.sent = 0  # messages pushed (tests, benchmarks)
         self.sent_points = 0

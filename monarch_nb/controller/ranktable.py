@@ -1,0 +1,134 @@
+"""The rank table: one record per rank, the socket identities of its
+current process, and the only way to change a rank's state.
+
+A record (:class:`RankInfo`) says what the controller knows of a rank's
+current process. :meth:`RankTable.move` is the one place its state changes,
+checked against the transition table (rankstates.py). Messages are matched
+to a rank by the socket identity of its current process
+(:meth:`RankTable.bind` gives each new process fresh ones, so an old
+incarnation's stragglers match nothing).
+
+Non-goals: what a death means (policy.py, recovery.py), calls (calltable.py).
+"""
+
+from __future__ import annotations
+
+import secrets
+import signal as signal_mod
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .events import Event, EventKind
+from .rankstates import LIVE, RankState, check
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    incarnation: int = 0
+    token: str = ""  # random part of the socket identities of this incarnation
+    state: RankState = RankState.STARTING  # changed only by RankTable.move
+    pid: int | None = None
+    device: str = ""
+    host: str = ""
+    last_heartbeat: float = 0.0
+    exitcode: int | None = None
+    silent_for: float | None = None  # killed by us for missing heartbeats
+    start_error: str = ""
+    started_at: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None
+    health: dict[str, Any] = field(default_factory=dict)  # latest HEARTBEAT's (health.py)
+    main_id: bytes = b""  # socket identities of the current process
+    ctl_id: bytes = b""
+
+    @property
+    def identity(self) -> str:
+        return f"r{self.rank}.{self.incarnation}.{self.token}"
+
+
+class RankTable:
+    """Every rank's record, indexed by rank and by socket identity."""
+
+    def __init__(self, world_size: int) -> None:
+        self._ranks = [RankInfo(r) for r in range(world_size)]
+        self._by_ident: dict[bytes, RankInfo] = {}
+        self.events: list[Event] = []
+
+    def __getitem__(self, rank: int) -> RankInfo:
+        return self._ranks[rank]
+
+    def __iter__(self) -> Iterator[RankInfo]:
+        return iter(self._ranks)
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    def move(self, rank: int, to: RankState) -> None:
+        """Change ``rank``'s state (the only place that does; see rankstates.py)."""
+        info = self._ranks[rank]
+        if info.state is not to:
+            check(rank, info.state, to)
+            info.state = to
+
+    def bind(self, rank: int, incarnation: int) -> RankInfo:
+        """A new process for ``rank``: fresh socket identities (the old
+        ones' stragglers are ignored from now on) and a clean record."""
+        info = self._ranks[rank]
+        self._by_ident.pop(info.main_id, None)
+        self._by_ident.pop(info.ctl_id, None)
+        info.incarnation = incarnation
+        info.token = secrets.token_hex(8)
+        info.main_id = f"{info.identity}.main".encode()
+        info.ctl_id = f"{info.identity}.ctl".encode()
+        self._by_ident[info.main_id] = info
+        self._by_ident[info.ctl_id] = info
+        info.silent_for = None
+        info.exitcode = None
+        info.health = {}
+        info.start_error = ""
+        info.started_at = info.last_heartbeat = time.monotonic()
+        return info
+
+    def lookup(self, ident: bytes) -> RankInfo | None:
+        return self._by_ident.get(ident)
+
+    def sendable(self, ranks: tuple[int, ...]) -> list[bytes] | None:
+        """The main socket ids of ``ranks`` if every one of them can take a
+        call now, else None (also for no ranks). One plain loop: this runs
+        for every call."""
+        idents = []
+        for r in ranks:
+            info = self._ranks[r]
+            if info.state not in LIVE:
+                return None
+            idents.append(info.main_id)
+        return idents or None
+
+    def record(self, rank: int, kind: EventKind, detail: str = "") -> None:
+        inc = self._ranks[rank].incarnation if rank >= 0 else 0
+        self.events.append(Event(time.time(), rank, inc, kind, detail))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def signal_name(code: int | None) -> str | None:
+    if code is None or code >= 0:
+        return None
+    try:
+        return signal_mod.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    name = signal_name(code)
+    return f"killed by {name}" if name else f"exited with code {code}"
