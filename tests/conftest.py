@@ -1,8 +1,9 @@
 """Shared fixtures: real meshes, real kernels, and a guard against orphans.
 
-Every test that starts rank processes must stop them; the ``no_orphans``
-session fixture fails the run if any ``monarch_nb.worker`` process outlives
-the tests (a leaked rank is a product bug, not a test nuisance).
+Every test that starts rank processes must stop them: ``no_leftovers``
+fails the test that leaves one behind, and the ``no_orphans`` session
+fixture the run if any ``monarch_nb.worker`` process outlives the tests
+(a leaked rank is a product bug, not a test nuisance).
 """
 
 from __future__ import annotations
@@ -84,6 +85,56 @@ def no_orphans() -> Iterator[None]:
         except psutil.NoSuchProcess:
             pass
     assert not leaked, f"rank processes outlived the test session: {sorted(leaked)}"
+
+
+def _owned_by(meshes: list[Mesh]) -> set[int]:
+    """PIDs of the processes (ranks and spares) of ``meshes`` still running."""
+    pids: set[int] = set()
+    for mesh in meshes:
+        if mesh.running:
+            sup = mesh._ctl.supervisor
+            pids.update(p.pid for p in sup.procs.values())
+            if sup.spare is not None:
+                pids.add(sup.spare.pid)
+    return pids
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers() -> Iterator[None]:
+    """Each test checks for the rank processes it leaves behind: a rank this
+    test started must be gone when it ends, unless it belongs to a mesh, a
+    kernel or a launcher that a fixture started before the test (and that
+    fixture stops). Runs after the test's own fixtures are torn down."""
+    from monarch_nb import mesh as mesh_mod
+
+    ranks_before = worker_pids()
+    alive_before = set(psutil.pids())
+    meshes = [m for m in mesh_mod._live_meshes if m.running]
+    yield
+
+    def leftovers() -> set[int]:
+        owned = _owned_by(meshes)
+        out = set()
+        for pid in worker_pids() - ranks_before - owned:
+            try:
+                parent = psutil.Process(pid).ppid()
+            except psutil.NoSuchProcess:
+                continue
+            if parent != os.getpid() and parent != 1 and parent in alive_before:
+                continue  # a fixture's kernel or launcher, still in use
+            out.add(pid)
+        return out
+
+    deadline = time.monotonic() + 10
+    while leftovers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    leaked = leftovers()
+    for pid in leaked:  # clean up so the next tests run, then fail this one
+        try:
+            psutil.Process(pid).kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert not leaked, f"this test left rank processes running: {sorted(leaked)}"
 
 
 @pytest.fixture(scope="module")

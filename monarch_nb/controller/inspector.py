@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import builtins
 import collections
+import functools
 import itertools
 import threading
 import time
@@ -38,6 +39,7 @@ from ..stacks import RankStacks, Stacks, hang_report
 from ..wire.protocol import Codec, Kind, Message
 from ..wire.transport import IOLoop
 from .calltable import CallTable
+from .output import CallOutput
 from .rankstates import LIVE
 from .ranktable import RankInfo, RankTable
 
@@ -156,7 +158,7 @@ class Inspector:
             if now - call.progress_at >= limit:
                 call.hang_reported = True
                 self.request_stacks(tuple(sorted(call.remaining)),
-                                    lambda st, c=call, s=limit: c.output.note(hang_report(st, s)))
+                                    functools.partial(_report_hang, call.output, limit))
 
     # -- debugger relay -----------------------------------------------------------------
     def on_prompt(self, info: RankInfo, msg: Message) -> None:
@@ -232,6 +234,10 @@ class Inspector:
             print(f"monarch_nb: cannot ask for input here ({type(exc).__name__}: {exc}); "
                   f"rank {prompt.rank} was sent {'c (continue)' if fallback == 'c' else 'end of input'}")
             return fallback
+
+
+def _report_hang(output: CallOutput, seconds: float, stacks: Stacks) -> None:
+    output.note(hang_report(stacks, seconds))
 
 
 def native_stack(pid: int | None) -> str:

@@ -31,6 +31,7 @@ Non-goals: deciding (policy.py), messages (core.py), calls (calltable.py).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -328,11 +329,10 @@ class Recovery:
             call = self.calls.new(call_id, (info.rank,), self._default_output() or CallOutput(),
                                   future, frames=frames, internal=True)
             self.calls.sent(call)
-            future.add_done_callback(
-                lambda fut, rank=info.rank, name=cell["name"]: self._replay_done(fut, rank, name))
+            future.add_done_callback(functools.partial(self._replay_done, info.rank, str(cell["name"])))
             self.io.send(info.main_id, frames)
 
-    def _replay_done(self, fut: MeshFuture, rank: int, name: str) -> None:
+    def _replay_done(self, rank: int, name: str, fut: MeshFuture) -> None:
         exc = fut.exception()
         if exc is None:
             return

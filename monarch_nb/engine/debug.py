@@ -109,7 +109,7 @@ class RelayStdin(io.TextIOBase):
             except queue.Empty:
                 return
 
-    def readline(self, size: int | None = -1) -> str:
+    def readline(self, size: int | None = -1) -> str:  # type: ignore[override]  # a text stream
         if threading.get_ident() != self._main:
             return ""
         sys.stdout.flush()

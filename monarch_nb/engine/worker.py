@@ -44,6 +44,7 @@ from ..backends import JoinAborted, JoinFailed, init_group, leave_group
 from ..config import RankEnv
 from ..errors import is_peer_loss
 from ..wire import serialize
+from ..wire.metricframes import encode as encode_metrics
 from ..wire.protocol import Codec, Kind, Message
 from ..wire.transport import dealer, recv_verified, send_frames, socket_send
 from . import context as _context
@@ -176,7 +177,7 @@ class Worker:
         if mbuf.used:  # only once mnb.log was called in this process
             left = mbuf.begin(call)  # logged between calls (by a user thread)
             if left:
-                self._send_main(Kind.METRICS, [metrics.encode(left)], meta={"n": -1})
+                self._send_main(Kind.METRICS, [encode_metrics(left)], meta={"n": -1})
         self.running_call = call
         generation = msg.meta.get("generation", 0)
         if _context._state.get("call_generation") != generation:
@@ -213,7 +214,7 @@ class Worker:
         # go ahead of the RESULT, uncounted, as if logged between calls)
         n_m, points = mbuf.finish() if mbuf.used else (0, [])
         if points:
-            self._send_main(Kind.METRICS, [metrics.encode(points)], call=call, meta={"n": -1})
+            self._send_main(Kind.METRICS, [encode_metrics(points)], call=call, meta={"n": -1})
         # Defaults (ok, no chunks) are left out: a plain success carries no
         # JSON at all, which is most of the no-op path.
         meta: dict[str, Any] = {} if ok else {"ok": False}
@@ -433,7 +434,7 @@ class Worker:
                 if batch is not None:
                     call, n, points = batch
                     self._send_ctl(Kind.METRICS, call=call, meta={"n": n},
-                                   payload=[metrics.encode(points)])
+                                   payload=[encode_metrics(points)])
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_S
                 self._send_ctl(Kind.HEARTBEAT, meta={"busy": self.running_call, "h": health.read()})

@@ -1,0 +1,388 @@
+"""The call table and recovery, without processes: scripted event sequences,
+as tests/test_policy.py does for the restart policy.
+
+The call table is pure bookkeeping and is driven directly. Recovery is
+driven through its event entry points (exit, ready, probe, tick) with a
+stand-in supervisor and I/O loop that record what they were asked to do
+(start a process, send frames): the decisions under test are Recovery's
+and the call table's, not process handling (tests/test_recovery.py and
+tests/test_chaos.py run the same stories on real ranks).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from monarch_nb.config import MeshConfig
+from monarch_nb.controller.calltable import CallTable, PendingCall
+from monarch_nb.controller.events import EventKind
+from monarch_nb.controller.output import CallOutput
+from monarch_nb.controller.policy import RestartPolicy
+from monarch_nb.controller.rankstates import TRANSITIONS, IllegalTransition, RankState
+from monarch_nb.controller.ranktable import RankTable
+from monarch_nb.controller.recovery import REFORM_GRACE_S, Recovery
+from monarch_nb.errors import MembershipChanged, MeshNotRunning, RankDied, RankErrors, RemoteError
+from monarch_nb.futures import MeshFuture
+from monarch_nb.results import RankResults
+from monarch_nb.wire.protocol import Codec, Kind, Message, new_key
+
+# -- the call table ------------------------------------------------------------------
+
+
+def _call(table: CallTable, ranks: tuple[int, ...], *, elastic: bool = False,
+          setup: dict[str, Any] | None = None) -> PendingCall:
+    call_id = table.next_id()
+    call = table.new(call_id, ranks, CallOutput(lambda s, t: None),
+                     MeshFuture(call_id, ranks, lambda _id: None), frames=[b"f"],
+                     elastic=elastic, setup=setup)
+    table.sent(call)
+    return call
+
+
+def _died(rank: int) -> RankDied:
+    return RankDied(rank, None, "SIGKILL", (), 0)
+
+
+def test_a_call_finishes_once_every_rank_answered() -> None:
+    table = CallTable()
+    call = _call(table, (0, 1))
+    table.complete(call, 0, "a")
+    assert not call.future.done()
+    table.complete(call, 1, "b")
+    table.complete(call, 1, "late")  # a second answer changes nothing
+    assert call.future.result() == RankResults({0: "a", 1: "b"})
+    assert call.call_id not in table
+
+
+def test_a_death_fails_plain_calls_and_survivors_read_membership_changed() -> None:
+    table = CallTable()
+    call = _call(table, (0, 1, 2))
+    table.fail(1, _died(1), coming_back=True)  # not elastic: fails all the same
+    table.complete(call, 0, error=RemoteError(0, "RuntimeError", "Connection reset by peer", ""))
+    table.complete(call, 2, 7)
+    with pytest.raises(RankErrors) as info:
+        call.future.result()
+    errors = info.value.errors
+    assert isinstance(errors[1], RankDied)
+    assert isinstance(errors[0], MembershipChanged) and errors[0].dead == (1,)
+    assert "rank 1 died" in str(errors[0]) and info.value.results == {2: 7}
+
+
+def test_an_elastic_call_is_reissued_on_the_new_process_and_then_finishes() -> None:
+    table = CallTable()
+    call = _call(table, (0, 1), elastic=True)
+    table.fail(1, _died(1), coming_back=True)
+    table.complete(call, 0, "s")
+    assert not call.future.done() and call.reissue == {1}
+    assert table.reissue(1) == [call] and table.reissue(1) == []
+    table.complete(call, 1, "s")
+    assert call.future.result() == {0: "s", 1: "s"}
+
+
+def test_an_elastic_call_fails_for_a_rank_that_is_not_coming_back() -> None:
+    table = CallTable()
+    call = _call(table, (0, 1), elastic=True)
+    table.fail(1, _died(1), coming_back=True)
+    table.fail(1, RuntimeError("budget spent"), coming_back=False)  # the give-up
+    table.complete(call, 0, "s")
+    with pytest.raises(RankErrors, match="rank 1"):
+        call.future.result()
+
+
+def test_a_waiting_call_is_not_failed_by_a_death_of_its_rank() -> None:
+    table = CallTable()
+    call_id = table.next_id()
+    call = table.new(call_id, (1,), CallOutput(lambda s, t: None),
+                     MeshFuture(call_id, (1,), lambda _id: None), frames=[])
+    table.wait(call)
+    table.fail(1, _died(1), coming_back=True)
+    assert not call.future.done() and table.take_waiting() == [call]
+
+
+def test_stop_ends_every_call_sent_or_waiting_with_mesh_not_running() -> None:
+    table = CallTable()
+    sent = _call(table, (0,))
+    call_id = table.next_id()
+    waiting = table.new(call_id, (1,), CallOutput(lambda s, t: None),
+                        MeshFuture(call_id, (1,), lambda _id: None), frames=[])
+    table.wait(waiting)
+    table.stop("the mesh was stopped")
+    for call in (sent, waiting):
+        with pytest.raises(MeshNotRunning, match="the mesh was stopped"):
+            call.future.result(timeout=0)
+    assert len(table) == 0 and table.waiting == []
+
+
+def test_abandon_ends_a_call_for_ranks_still_running_it() -> None:
+    table = CallTable()
+    call = _call(table, (0, 1, 2), elastic=True)
+    table.fail(1, _died(1), coming_back=False)
+    table.abandon(call, {0, 2}, lambda r: MembershipChanged(r, (1,), "ended"))
+    with pytest.raises(RankErrors) as info:
+        call.future.result(timeout=0)
+    assert set(info.value.errors) == {0, 1, 2}
+    table.complete(call, 0, "late")  # ignored
+    assert 0 not in info.value.results
+
+
+def test_a_setup_cell_is_recorded_only_when_it_succeeded() -> None:
+    table = CallTable()
+    ok = _call(table, (0,), setup={"code": "x = 1", "name": "<s1>", "setup": True})
+    bad = _call(table, (0,), setup={"code": "y", "name": "<s2>", "setup": True})
+    table.complete(ok, 0, None)
+    table.complete(bad, 0, error=RemoteError(0, "NameError", "y", ""))
+    assert [c["name"] for c in table.setup_cells] == ["<s1>"]
+
+
+def test_a_cancelled_future_is_left_alone() -> None:
+    table = CallTable()
+    call = _call(table, (0,))
+    assert call.future.cancel()
+    table.complete(call, 0, 1)
+    assert call.future.cancelled()
+
+
+# -- the rank table --------------------------------------------------------------------
+
+
+def test_every_move_outside_the_transition_table_is_refused() -> None:
+    for frm, allowed in TRANSITIONS.items():
+        for to in RankState:
+            table = RankTable(1)
+            table[0].state = frm  # set up the start state (the test's own business)
+            if to is frm or to in allowed:
+                table.move(0, to)
+                assert table[0].state is to
+            else:
+                with pytest.raises(IllegalTransition):
+                    table.move(0, to)
+    assert TRANSITIONS[RankState.STOPPED] == frozenset()
+
+
+def test_a_new_process_gets_new_identities_and_old_ones_match_nothing() -> None:
+    table = RankTable(2)
+    first = table.bind(1, 0).main_id
+    assert table.lookup(first) is table[1]
+    table.bind(1, 1)
+    assert table.lookup(first) is None and table.lookup(table[1].ctl_id) is table[1]
+
+
+# -- recovery, scripted ----------------------------------------------------------------
+
+
+class _Popen:
+    def __init__(self) -> None:
+        self.code: int | None = None
+        self.stdin = None
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+@dataclass
+class _Proc:
+    rank: int
+    incarnation: int
+    popen: Any
+    pid: int
+    pidfd: int | None = None
+    from_spare: bool = False
+
+
+@dataclass
+class _Supervisor:
+    """Records what Recovery asks of process handling."""
+
+    procs: dict[int, _Proc] = field(default_factory=dict)
+    started: list[tuple[int, int]] = field(default_factory=list)
+    killed: list[int] = field(default_factory=list)
+    spare: subprocess.Popen[bytes] | None = None
+    master_port: int = 0
+    generation: int = 0
+
+    def spawn(self, rank: int, incarnation: int, identity: str) -> _Proc:
+        proc = _Proc(rank, incarnation, _Popen(), 1000 + 10 * rank + incarnation)
+        self.procs[rank] = proc
+        self.started.append((rank, incarnation))
+        return proc
+
+    def reap(self, rank: int, proc: Any = None) -> int | None:
+        return (proc or self.procs[rank]).popen.code
+
+    def kill_proc(self, proc: _Proc) -> None:
+        proc.popen.code = -9
+        self.killed.append(proc.rank)
+
+    def tail(self, rank: int, lines: int = 10) -> list[str]:
+        return []
+
+    def start_spare(self) -> None:
+        pass
+
+
+@dataclass
+class _IO:
+    sent: list[tuple[bytes, str]] = field(default_factory=list)
+
+    def send(self, ident: bytes, frames: list[Any]) -> None:
+        self.sent.append((ident, _peek_kind(frames)))
+
+    def send_many(self, idents: list[bytes], frames: list[Any]) -> None:
+        for ident in idents:
+            self.send(ident, frames)
+
+    def watch_fd(self, fd: int, fn: Any) -> None:
+        pass
+
+    def call_soon(self, fn: Any) -> None:
+        fn()
+
+
+_KEY = new_key()
+_codec = Codec(_KEY, "controller")
+
+
+def _peek_kind(frames: list[Any]) -> str:
+    return Codec(_KEY, "rank").verify([bytes(f) for f in frames]).kind.value
+
+
+class Story:
+    """A 4-rank mesh's Recovery with stand-ins, started and settled."""
+
+    def __init__(self, world: int = 4, budget: int = 5) -> None:
+        self.ranks = RankTable(world)
+        self.calls = CallTable()
+        self.sup = _Supervisor()
+        self.io = _IO()
+        self.notes: list[str] = []
+        self.policy = RestartPolicy(world, budget=budget)
+        cfg = MeshConfig(n=world, backend="cpu", spare=False)
+        self.rec = Recovery(cfg, self.ranks, self.calls, self.sup, self.io, _codec,  # type: ignore[arg-type]
+                            self.policy, announce=self.notes.append,
+                            dispatch=self.dispatch, default_output=lambda: None)
+        for r in range(world):
+            self.rec.start_process(r, 0)
+            self.ready(r)
+        self.rec.started = True
+
+    def dispatch(self, call: PendingCall) -> None:
+        if self.rec.must_wait(call.ranks):
+            self.calls.wait(call)
+            return
+        self.calls.sent(call)
+        for r in call.ranks:
+            self.ranks.move(r, RankState.BUSY)
+            self.io.send(self.ranks[r].main_id, call.frames)
+
+    def ready(self, rank: int) -> None:
+        self.rec.on_ready(self.ranks[rank], Message(Kind.READY, "r", 0, meta={"device": "cpu"}))
+
+    def die(self, rank: int) -> None:
+        self.sup.procs[rank].popen.code = -9
+        self.rec.on_exit(rank, self.sup.procs[rank])
+
+    def issue(self, ranks: tuple[int, ...], elastic: bool = False,
+              kind: Kind = Kind.CALL, meta: dict[str, Any] | None = None) -> PendingCall:
+        call_id = self.calls.next_id()
+        frames = _codec.sign(kind, call=call_id, meta=meta)
+        call = self.calls.new(call_id, ranks, CallOutput(lambda s, t: None),
+                              MeshFuture(call_id, ranks, lambda _id: None), frames=frames,
+                              elastic=elastic)
+        self.dispatch(call)
+        return call
+
+    def sent_to(self, rank: int, kind: str) -> int:
+        info = self.ranks[rank]
+        return sum(1 for ident, k in self.io.sent if k == kind and ident in (info.main_id, info.ctl_id))
+
+    def events(self, kind: EventKind) -> list[int]:
+        return [e.rank for e in self.ranks.events if e.kind is kind]
+
+
+def test_two_deaths_at_once_respawn_both_into_one_new_generation() -> None:
+    s = Story()
+    s.die(1)
+    s.die(2)
+    assert s.ranks[1].state == s.ranks[2].state == RankState.RESPAWNING
+    assert (1, 1) in s.sup.started and (2, 1) in s.sup.started
+    call = s.issue((0, 1, 2, 3))
+    assert not call.sent  # waits for both new processes
+    s.ready(1)
+    assert not call.sent
+    s.ready(2)
+    assert call.sent and s.rec.generation == 2
+
+
+def test_a_kill_during_re_formation_waits_out_the_backoff_and_calls_wait_too() -> None:
+    s = Story()
+    s.die(1)  # first death: at once
+    s.die(1)  # the new process dies before it is ready: backoff
+    assert s.policy.reform_pending() and s.rec.must_wait((0,))
+    call = s.issue((0,))  # even a call to a survivor: its group is about to change
+    assert not call.sent
+    s.rec.tick(s.policy.next_deadline() or 0.0)
+    assert call.sent  # behind the REFORM on rank 0's socket
+    kinds = [k for ident, k in s.io.sent if ident == s.ranks[0].main_id]
+    assert kinds[-2:] == ["reform", "call"]
+
+
+def test_a_kill_during_setup_replay_is_announced_as_a_death_not_as_a_setup_failure() -> None:
+    s = Story()
+    s.calls.setup_cells.append({"code": "import torch", "name": "<mnb-cell-1>", "setup": True})
+    s.die(3)
+    s.ready(3)  # the setup replay is sent
+    assert s.sent_to(3, "exec") == 1
+    s.die(3)
+    assert not any("replaying setup" in n for n in s.notes)
+    assert s.events(EventKind.SETUP_FAILED) == []
+
+
+def test_a_setup_replay_failure_names_its_reason() -> None:
+    s = Story()
+    s.calls.setup_cells.append({"code": "boom()", "name": "<mnb-cell-1>", "setup": True})
+    s.die(2)
+    s.ready(2)
+    (replay,) = list(s.calls)
+    s.calls.complete(replay, 2, error=RemoteError(2, "RuntimeError", "boom on replay", "tb"))
+    (note,) = [n for n in s.notes if "replaying setup" in n]
+    assert note.endswith("failed: rank 2: RuntimeError: boom on replay")
+
+
+def test_budget_give_up_mid_elastic_call_ends_it_and_interrupts_the_survivors() -> None:
+    s = Story(budget=1)
+    call = s.issue((0, 1, 2, 3), elastic=True)
+    s.die(1)
+    s.ready(1)  # re-issued on the new process
+    assert s.sent_to(1, "call") == 1
+    s.die(1)  # budget spent
+    assert s.ranks[1].state == RankState.FAILED
+    with pytest.raises(RankErrors) as info:
+        call.future.result(timeout=0)
+    text = str(info.value)
+    assert "rank 1 died 2 times" in text and "restart 1" in text
+    assert all(isinstance(info.value.errors[r], MembershipChanged) for r in (0, 2, 3))
+    assert all(s.sent_to(r, "interrupt") == 1 for r in (0, 2, 3))
+
+
+def test_a_stuck_survivor_is_probed_after_the_grace_and_replaced_only_if_in_a_collective() -> None:
+    s = Story()
+    s.issue((0, 1, 2, 3))
+    s.die(2)
+    assert 0 in s.rec.awaiting_reform
+    start = max(s.rec.awaiting_reform.values()) - REFORM_GRACE_S
+    s.rec.tick(start + REFORM_GRACE_S / 2)
+    assert s.sent_to(0, "stacks") == 0  # not before the grace
+    s.rec.tick(start + REFORM_GRACE_S + 0.1)
+    assert s.sent_to(0, "stacks") == 1
+    computing = [{"main": True, "frames": [["train.py", 3, "step", "x = y @ z"]]}]
+    s.rec.on_probe(s.ranks[0], computing)
+    assert s.events(EventKind.REPLACED) == []
+    stuck = [{"main": True, "frames": [["/x/torch/distributed/c10d.py", 9, "all_reduce", ""]]}]
+    s.rec.on_probe(s.ranks[1], stuck)
+    assert s.events(EventKind.REPLACED) == [1] and s.ranks[1].state == RankState.RESPAWNING
+    s.rec.on_reformed(s.ranks[3], Message(Kind.REFORMED, "r", 0, meta={"generation": 1, "joining": True}))
+    assert 3 not in s.rec.awaiting_reform
