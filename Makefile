@@ -7,6 +7,7 @@
 #   make notebooks  re-create and re-execute notebooks/ (scripts/notebook_sources.py)
 #   make lint    ruff + mypy + import-linter (the layer contracts in pyproject.toml)
 #   make bench   benchmarks (installs the `bench` extra first)
+#   make gpu-check  the GPU checks on a CUDA or ROCm machine (skipped cleanly without a GPU)
 #   make clean   caches and build output (`make distclean` also drops .venv)
 #
 # Everything runs from .venv, created on first use. torch is installed only when
@@ -27,21 +28,20 @@ NOTEBOOK ?= notebooks/01_quickstart.ipynb
 # `# NBVAL_CHECK_OUTPUT`, with pids, timings and hex ids sanitised.
 NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg
 
-# Which torch to install into a venv that has none. A local CPU wheel wins when
-# one is on disk; otherwise PyTorch's CPU index (plain `torch` from PyPI would pull
-# a multi-GB CUDA build). Override for a GPU box, e.g.
-#  make venv TORCH_SPEC='torch --index-url https://download.pytorch.org/whl/cu124'
-# Only wheels for this Python, and a +cpu build before any other.
+# Which torch to install into a venv that has none. A local CPU wheel (in
+# /opt/wheels, for this Python, a +cpu build first) wins when one is on disk;
+# otherwise pass TORCH_SPEC: pip arguments naming the build you want, e.g. a CPU
+# or CUDA wheel file, or `torch` with the --index-url of PyTorch's own CPU or
+# CUDA wheel index (plain `torch` from the default index pulls a multi-GB CUDA
+# build). No registry host is named here.
 PYTAG := $(shell $(PYTHON) -c 'import sys; print("cp%d%d" % sys.version_info[:2])' 2>/dev/null)
 TORCH_WHEEL := $(firstword $(wildcard /opt/wheels/torch-*+cpu-$(PYTAG)-*.whl) \
                            $(wildcard /opt/wheels/torch-*-$(PYTAG)-*.whl))
 ifneq ($(TORCH_WHEEL),)
 TORCH_SPEC ?= $(TORCH_WHEEL)
-else
-TORCH_SPEC ?= torch --index-url https://download.pytorch.org/whl/cpu
 endif
 
-.PHONY: help venv test demo notebooks bench lint clean distclean lab extension
+.PHONY: help venv test demo notebooks bench lint clean distclean lab extension gpu-check
 
 help:
 	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
@@ -55,6 +55,8 @@ $(STAMP): pyproject.toml
 	@if $(PY) -c 'import torch' 2>/dev/null; then \
 		echo "torch $$($(PY) -c 'import torch; print(torch.__version__)') already in $(VENV); keeping it"; \
 	else \
+		test -n "$(TORCH_SPEC)" || { echo "no torch in $(VENV) and no local wheel in /opt/wheels:" \
+			"pass TORCH_SPEC, pip arguments for the torch build you want (see the Makefile)"; exit 2; }; \
 		echo "installing torch: $(TORCH_SPEC)"; \
 		$(PIP) install $(TORCH_SPEC); \
 	fi
@@ -113,6 +115,11 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/respawn.py
 	$(PY) benchmarks/metrics.py
+
+# One rank per GPU: pinning, NCCL/RCCL collectives, health figures, a GPU rank
+# killed and back, a DDP step; a table, exit 0 (or "skipped: no GPU").
+gpu-check: venv
+	$(PY) scripts/gpu_check.py
 
 lint: venv
 	$(PY) -m ruff check monarch_nb tests benchmarks scripts

@@ -101,11 +101,15 @@ class State:
 
 def run(state: State, *, reform_timeout: float = 300.0,
         max_reforms: int = 100) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: the wrapped ``fn(state, ...)`` survives membership changes."""
+    """Decorator: the wrapped ``fn(state, ...)`` survives membership changes.
+    Call it as ``train()`` or, as Horovod's ``hvd.elastic.run`` has it,
+    ``train(state)``: the state is passed once either way."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if args and args[0] is state:  # Horovod's habit: train(state)
+                args = args[1:]
             # joined mid-call (respawned): first take the state of a live peer
             sync = _context._state.get("generation", 0) > _context._state.get("call_generation", 0)
             reform = False

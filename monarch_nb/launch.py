@@ -16,15 +16,22 @@ then a summary. Exit status: 0 when every rank finished, else the first
 failure's (the script's ``sys.exit`` code, 1 for an exception, 128+N for a
 rank killed by signal N), 130 on Ctrl-C (which stops every rank).
 
-Options go before the script; everything after it belongs to the script.
+Options go before the script; after it, the launcher's own options
+(``--nodes=8 --gpus-per-node=8``, the announced form) up to a ``--`` are the
+launcher's, everything else belongs to the script. torchrun's flags are
+accepted too (torchrun.py). A rank's failure is retried by fact: a run that
+ended, however, after the group changed under it (a peer died) runs again;
+one that failed on its own does not.
 
-Non-goals: spawning processes (launchers.py / supervisor.py), the rank side
-(script.py), restart decisions (policy.py).
+Only the public API of :class:`~monarch_nb.Mesh` is used (submit, output,
+wait_any, events, status, generation, logs).
+
+Non-goals: the command line (torchrun.py), spawning processes (launchers.py /
+supervisor.py), the rank side (script.py), restart decisions (policy.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -32,94 +39,22 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from .config import BACKENDS, LAUNCHERS, RESPAWN_MODES
-from .errors import MembershipChanged, MonarchError, RankDied, RemoteError, UsageError, is_peer_loss
+from .errors import MembershipChanged, MonarchError, RankDied, RemoteError, UsageError
+from .torchrun import Plan, build_parser, mesh_options, parse, plan, shown
 
 EXIT_INTERRUPTED = 130
 FAIL_GRACE_S = 5.0  # after a final failure, how long the other ranks may finish
 MAX_RERUNS = 20  # per rank: survivors re-run after peer loss (deaths are capped by the policy)
 REFRESH_S = 0.25
-PEER_LOSS_WAIT_S = 3.0  # how long a survivor's peer-loss error waits for the death report
+PEER_LOSS_WAIT_S = 2.0  # how long a failure waits for a peer's death report before it counts
+OMP_NOTICE = ("*****************************************\n"
+              "Setting OMP_NUM_THREADS environment variable for each process to be 1 in "
+              "default, to avoid your system being overloaded, please further tune the "
+              "variable for optimal performance in your application as needed. \n"
+              "*****************************************")  # torchrun's words
 DEATH_EVENTS = ("died", "replaced", "failed_start")
-_OWN_FRAMES = tuple(f"in {name}" for name in ("run_script", "run_path", "_run_module_code",
-                                              "_run_code"))
-
-
-def build_parser(prog: str = "python -m monarch_nb.launch") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="Run SCRIPT on every rank of a mesh controlled by this process "
-                    "(supervised: dead ranks are respawned and run the script again).",
-        epilog="Options go before SCRIPT; everything after SCRIPT is passed to it.",
-    )
-    p.add_argument("--backend", default="auto", choices=BACKENDS)
-    p.add_argument("--nodes", type=int, default=None, metavar="N",
-                   help="number of nodes (slurm/ssh: nodes of the allocation or --hosts; local: 1)")
-    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
-                   help="ranks per node (one per GPU; with --backend cpu, CPU ranks per node)")
-    p.add_argument("-n", "--ranks", dest="n", type=int, default=None, metavar="N",
-                   help="total ranks (default: nodes x gpus-per-node, else the visible GPUs, "
-                        "else min(4, CPU cores))")
-    p.add_argument("--respawn", default="rank", choices=RESPAWN_MODES)
-    p.add_argument("--launcher", default="local", choices=LAUNCHERS)
-    p.add_argument("--hosts", default="", help="comma-separated hosts (ssh launcher)")
-    p.add_argument("--bind", default=None,
-                   help="controller address (default: loopback for local, this host's "
-                        "address for ssh/slurm; non-loopback turns on CurveZMQ)")
-    p.add_argument("--master-addr", default=None,
-                   help="rank 0's host address for torch.distributed (default: 127.0.0.1 "
-                        "locally, the first host / slurm node otherwise)")
-    p.add_argument("--insecure-no-encryption", action="store_true",
-                   help="DANGEROUS: no CurveZMQ on a non-loopback bind (messages stay signed "
-                        "but anyone on the network can read them)")
-    p.add_argument("--no-status", action="store_true",
-                   help="no live status display (also off when stderr is not a terminal)")
-    p.add_argument("script", help="the Python file every rank runs as __main__")
-    p.add_argument("args", nargs="*", help="arguments for the script")
-    return p
-
-
-def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """Parse the launcher's options; the script's arguments are everything
-    after the script, verbatim (argparse would eat a leading ``--``)."""
-    takes_value = {opt for action in parser._actions if action.nargs != 0
-                   for opt in action.option_strings}
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        if tok == "--":
-            i += 1
-            break
-        if not tok.startswith("-") or tok == "-":
-            break
-        i += 2 if tok in takes_value else 1
-    ns = parser.parse_args(argv[: i + 1])
-    ns.args = argv[i + 1:]
-    return ns
-
-
-def mesh_options(ns: argparse.Namespace) -> dict[str, Any]:
-    """``Mesh.start`` keyword arguments for parsed command-line options."""
-    if ns.nodes is not None and ns.nodes < 1:
-        raise UsageError(f"--nodes must be at least 1, not {ns.nodes}")
-    if ns.gpus_per_node is not None and ns.gpus_per_node < 1:
-        raise UsageError(f"--gpus-per-node must be at least 1, not {ns.gpus_per_node}")
-    n = ns.n
-    if n is None and ns.gpus_per_node is not None:
-        n = (ns.nodes or 1) * ns.gpus_per_node
-    opts: dict[str, Any] = {"n": n, "backend": ns.backend, "respawn": ns.respawn,
-                            "launcher": ns.launcher, "hosts": ns.hosts}
-    if ns.nodes is not None:
-        opts["nodes"] = ns.nodes
-    if ns.gpus_per_node is not None:
-        opts["gpus_per_node"] = ns.gpus_per_node
-    if ns.bind is not None:
-        opts["bind"] = ns.bind
-    if ns.master_addr is not None:
-        opts["master_addr"] = ns.master_addr
-    if ns.insecure_no_encryption:
-        opts["insecure_no_encryption"] = True
-    return opts
+_OWN_FRAMES = tuple(f"in {name}" for name in ("run_script", "_run_file", "run_path",
+                                              "_run_module_code", "_run_code", "run_module"))
 
 
 # -- outcome -------------------------------------------------------------------------
@@ -170,14 +105,17 @@ def user_traceback(text: str) -> list[str]:
     return out
 
 
-def retryable(err: BaseException, respawn: str) -> bool:
+def retryable(err: BaseException, respawn: str, group_changed: bool) -> bool:
     """Does this failure mean the rank runs the script again (respawn on)?
-    Deaths and collectives cut short by a death, not the script's own errors."""
+    Decided by fact, not by the error's text: the rank's own death, or any
+    ending (an exception, ``sys.exit(n)`` of a ``main()`` that turns every
+    error into an exit code) of a run during which the group changed under
+    it (a peer died). A run that failed on its own, the group intact, is not."""
     if respawn == "off":
         return False
     if isinstance(err, (RankDied, MembershipChanged)):
         return True
-    return isinstance(err, RemoteError) and is_peer_loss(f"{err.type_name} {err.message}")
+    return group_changed
 
 
 # -- the terminal ----------------------------------------------------------------------
@@ -270,27 +208,70 @@ def format_event(ev: dict[str, Any]) -> str:
 
 # -- the run ----------------------------------------------------------------------------
 class ScriptRun:
-    """Runs one script on every rank of ``mesh`` and supervises it."""
+    """Runs one script on every rank of ``mesh`` and supervises it, through
+    the mesh's public API only."""
 
-    def __init__(self, mesh: Any, script: str, args: list[str], term: Terminal) -> None:
+    def __init__(self, mesh: Any, script: str, args: list[str], term: Terminal,
+                 how: Plan | None = None, port: int | None = None) -> None:
         self.mesh = mesh
-        self.script = os.path.abspath(script)
+        self.how = how or Plan(mesh={})
+        self.script = script  # as typed (sys.argv[0]); found from cwd on the rank
         self.args = list(args)
         self.term = term
+        self.port = port
         self.cwd = os.getcwd()
         self.futures: dict[int, Any] = {}
         self.done: set[int] = set()
         self.failed: dict[int, BaseException] = {}
         self.reruns: dict[int, int] = {}
         self.deaths_at_submit: dict[int, int] = {}
-        self.undecided: dict[int, float] = {}  # rank -> since when its peer loss waits
+        self.undecided: dict[int, float] = {}  # rank -> since when it waits for a death report
         self.first_failure: int | None = None
         self.failed_at: float | None = None
         self.seen_events = len(mesh.events)
+        self.dup_files: dict[str, TextIO] = {}
         # One output for every rank, so identical lines fold ("[0-3] epoch 1").
         # Announcements are shown from the event log instead (no duplicates).
-        self.output = mesh.output(term.emit, notes=False)
+        # Filters (-r, --local-ranks-filter, duplicate filters) need to know
+        # the rank of a line: one output per rank then.
+        h = self.how
+        per_rank = (h.console is not None or bool(h.hidden)
+                    or any(h.dup_filters.get(s) for s in ("stdout", "stderr")))
+        self.outputs: dict[int, Any] = {}
+        if per_rank:
+            for r in range(mesh.world_size):
+                self.outputs[r] = mesh.output(self._emitter(r), notes=False)
+        else:
+            shared = mesh.output(term.emit, notes=False)
+            self.outputs = dict.fromkeys(range(mesh.world_size), shared)
         self.generation = mesh.generation
+
+    def _emitter(self, rank: int) -> Callable[[str, str], None]:
+        local = rank % max(1, self.how.per_node)
+
+        def emit(stream: str, text: str) -> None:
+            words = self.how.dup_filters.get(stream)
+            if words:
+                self._duplicate(stream, text, words)
+            if shown(self.how, local, stream):
+                self.term.emit(stream, text)
+
+        return emit
+
+    def _duplicate(self, stream: str, text: str, words: list[str]) -> None:
+        """torchrun's --duplicate-std*-filters: matching lines also go to
+        LOG_DIR/RUN_ID/filtered_std*.log."""
+        lines = [ln for ln in text.splitlines(True) if any(w in ln for w in words)]
+        if not lines or self.how.log_dir is None:
+            return
+        f = self.dup_files.get(stream)
+        if f is None:
+            folder = os.path.join(self.how.log_dir, self.how.run_id)
+            os.makedirs(folder, exist_ok=True)
+            f = self.dup_files[stream] = open(os.path.join(folder, f"filtered_{stream}.log"),
+                                              "a", encoding="utf-8")
+        f.writelines(lines)
+        f.flush()
 
     def submit(self, rank: int) -> None:
         from .engine import script as script_mod
@@ -299,8 +280,8 @@ class ScriptRun:
         # the generation the run started in: a rank that joins a later one
         # came in mid-run and takes its elastic state from a peer
         self.futures[rank] = self.mesh.ranks([rank]).submit(
-            script_mod.run_script, (self.script, self.args, self.cwd), output=self.output,
-            generation=self.generation)
+            script_mod.run_script, (self.script, self.args, self.cwd, self.how.mode, self.port),
+            output=self.outputs[rank], generation=self.generation)
 
     def run(self) -> int:
         ranks = range(self.mesh.world_size)
@@ -315,11 +296,13 @@ class ScriptRun:
                 break
             if self.failed_at is not None and time.monotonic() - self.failed_at > FAIL_GRACE_S:
                 break
-            # leads the I/O loop meanwhile; with nothing pending, only peer
-            # losses wait for their death report
+            # leads the I/O loop meanwhile; with nothing pending, only
+            # failures waiting for a death report
             self.mesh.wait_any([self.futures[r] for r in open_ranks if not self.futures[r].done()],
                                REFRESH_S)
         self._show_events()
+        for f in self.dup_files.values():
+            f.close()
         return self._summary()
 
     def _deaths(self) -> int:
@@ -336,18 +319,20 @@ class ScriptRun:
                 continue
             err = getattr(exc, "errors", {}).get(rank, exc)
             state = self.mesh.status()[rank]["state"]
-            again = (retryable(err, self.mesh.config.respawn) and state != "failed"
-                     and self.failed_at is None and self.reruns.get(rank, 0) < MAX_RERUNS)
-            if again and isinstance(err, RemoteError):
-                # A survivor's collective failed: a re-run only makes sense
-                # after a death since this run started (its report may trail
-                # the survivor's error by a moment: wait for it, briefly).
-                if self._deaths() <= self.deaths_at_submit.get(rank, 0):
-                    since = self.undecided.setdefault(rank, now)
-                    if now - since < PEER_LOSS_WAIT_S:
-                        continue
-                    again = False
+            # Did the group change under this run (a peer died since it was
+            # submitted)? A survivor's failure can reach us a moment before
+            # the death that caused it: a failure with no death yet waits
+            # for one, briefly, before it counts as the script's own.
+            changed = self._deaths() > self.deaths_at_submit.get(rank, 0)
+            respawn = self.mesh.config.respawn
+            if (respawn != "off" and not changed and isinstance(err, RemoteError)
+                    and self.failed_at is None):
+                since = self.undecided.setdefault(rank, now)
+                if now - since < PEER_LOSS_WAIT_S:
+                    continue
             self.undecided.pop(rank, None)
+            again = (retryable(err, respawn, changed) and state != "failed"
+                     and self.failed_at is None and self.reruns.get(rank, 0) < MAX_RERUNS)
             if again:
                 self.reruns[rank] = self.reruns.get(rank, 0) + 1
                 self.term.line(f"monarch_nb: rank {rank} runs the script again "
@@ -366,6 +351,17 @@ class ScriptRun:
                 continue  # start-up is shown by the progress line
             self.term.line(format_event(ev))
         self.seen_events = len(events)
+
+    def save_logs(self) -> str | None:
+        """--log-dir: every rank's output (all incarnations) under LOG_DIR/RUN_ID/."""
+        if self.how.log_dir is None:
+            return None
+        folder = os.path.join(self.how.log_dir, self.how.run_id)
+        os.makedirs(folder, exist_ok=True)
+        for r in range(self.mesh.world_size):
+            with open(os.path.join(folder, f"rank{r}.log"), "w", encoding="utf-8") as f:
+                f.writelines(line + "\n" for line in self.mesh.logs(r, 10**9))
+        return folder
 
     def _summary(self) -> int:
         world = self.mesh.world_size
@@ -391,12 +387,46 @@ class ScriptRun:
         return exit_code_of(self.failed[self.first_failure]) or 1
 
 
+def _free_port(addr: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
+        s.bind((addr if addr not in ("", "*") else "127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _check_script(parser: Any, script: str, mode: str) -> None:
+    if mode == "module":
+        return  # found on the ranks (in their working directory), as `python -m` would
+    if mode == "exec":
+        import shutil
+
+        if shutil.which(script) is None and not (os.path.isfile(script)
+                                                 and os.access(script, os.X_OK)):
+            parser.error(f"program {script!r} not found (or not executable)")
+        return
+    if not os.path.isfile(script):
+        parser.error(f"script {script!r} not found")
+
+
 def run(argv: Sequence[str] | None = None, prog: str = "python -m monarch_nb.launch") -> int:
     """Entry point: parse, start the mesh, run the script; the exit status."""
     parser = build_parser(prog)
     ns = parse(parser, list(sys.argv[1:] if argv is None else argv))
-    if not os.path.isfile(ns.script):
-        parser.error(f"script {ns.script!r} not found")
+    if ns.taken:
+        sys.stderr.write(f"monarch_nb: taking {' '.join(ns.taken)} after the script as launcher "
+                         "options; put them after `--` to pass them to the script\n")
+    try:  # refused before anything starts
+        how = plan(ns)
+    except UsageError as exc:
+        sys.stderr.write(f"monarch_nb: {exc}\n")
+        return 2
+    _check_script(parser, ns.script, how.mode)
+    for note in how.notes:
+        sys.stderr.write(note + "\n")
+    opts = how.mesh
+    if how.per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        sys.stderr.write(OMP_NOTICE + "\n")  # the ranks get OMP_NUM_THREADS=1 (supervisor.py)
     from .mesh import Mesh
 
     # SIGTERM (a batch system's stop) is handled like Ctrl-C: stop every rank.
@@ -412,18 +442,20 @@ def run(argv: Sequence[str] | None = None, prog: str = "python -m monarch_nb.lau
     live = not ns.no_status and sys.stderr.isatty()
     term = Terminal(live)
     mesh = None
+    script_run = None
     try:
-        opts = mesh_options(ns)
-
         def progress(infos: list[Any]) -> None:
             ready = sum(1 for i in infos if i.state.value == "ready")
             term.line(f"monarch_nb: {ready}/{len(infos)} ranks ready")
 
         with term:
             mesh = Mesh.start(progress=progress, **opts)
+            port = _free_port(opts.get("master_addr") or "127.0.0.1") \
+                if how.mode == "exec" else None
             term.line(f"monarch_nb: running {ns.script} on {mesh.world_size} rank(s) "
-                      f"({mesh.backend}, {ns.launcher} launcher, respawn {ns.respawn})")
-            code = ScriptRun(mesh, ns.script, ns.args, term).run()
+                      f"({mesh.backend}, {opts['launcher']} launcher, respawn {ns.respawn})")
+            script_run = ScriptRun(mesh, ns.script, ns.args, term, how, port)
+            code = script_run.run()
     except KeyboardInterrupt:
         term.line("monarch_nb: interrupted; stopping every rank")
         code = EXIT_INTERRUPTED
@@ -436,6 +468,13 @@ def run(argv: Sequence[str] | None = None, prog: str = "python -m monarch_nb.lau
                 # a second Ctrl-C must not leave ranks behind: stop is not interruptible
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                if script_run is not None:
+                    try:
+                        folder = script_run.save_logs()
+                        if folder:
+                            term.line(f"monarch_nb: rank logs in {folder}")
+                    except (OSError, MonarchError) as exc:
+                        term.line(f"monarch_nb: could not save the rank logs: {exc}")
                 mesh.stop()
         finally:
             signal.signal(signal.SIGINT, old_int)
@@ -449,3 +488,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+__all__ = ["ScriptRun", "Terminal", "build_parser", "exit_code_of", "main", "mesh_options",
+           "metrics_of", "parse", "plan", "retryable", "run", "user_traceback"]

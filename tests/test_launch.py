@@ -56,14 +56,16 @@ def launch(tmp_path: Path, body: str, *args: str, timeout: float = 90,
 # -- pure -----------------------------------------------------------------------------------
 def test_options_map_onto_mesh_start() -> None:
     p = build_parser()
-    ns = parse(p, ["--nodes", "2", "--gpus-per-node", "4", "--respawn=all",
-                   "train.py", "--lr", "0.1", "--nodes", "9"])
+    ns = parse(p, ["--nodes", "2", "--gpus-per-node", "4", "--respawn=all", "--launcher", "ssh",
+                   "train.py", "--lr", "0.1", "--", "--nodes", "9"])
     opts = mesh_options(ns)
     assert opts["n"] == 8 and opts["nodes"] == 2 and opts["gpus_per_node"] == 4
     assert opts["respawn"] == "all"
     assert ns.script == "train.py" and ns.args == ["--lr", "0.1", "--nodes", "9"]
     assert mesh_options(parse(p, ["-n", "3", "x.py"]))["n"] == 3
-    assert parse(p, ["x.py", "--", "-a"]).args == ["--", "-a"]
+    # after the script, `--` ends the launcher's options and is not passed on
+    assert parse(p, ["x.py", "--", "-a"]).args == ["-a"]
+    assert parse(p, ["x.py", "--", "--", "-a"]).args == ["--", "-a"]
     assert parse(p, ["--", "x.py", "-a"]).args == ["-a"]
     with pytest.raises(UsageError, match="--nodes"):
         mesh_options(parse(p, ["--nodes", "0", "x.py"]))
@@ -75,11 +77,14 @@ def test_exit_codes_and_retry_rules() -> None:
     assert exit_code_of(RemoteError(0, "ValueError", "x")) == 1
     assert exit_code_of(RankDied(1, None, "SIGKILL")) == 128 + signal.SIGKILL
     assert exit_code_of(RankDied(1, 7)) == 7
-    assert retryable(RankDied(1, None, "SIGKILL"), "rank")
-    assert retryable(MembershipChanged(0, [1]), "all")
-    assert retryable(RemoteError(0, "RuntimeError", "Connection closed by peer"), "rank")
-    assert not retryable(RemoteError(0, "ValueError", "bad"), "rank")
-    assert not retryable(RankDied(1, None, "SIGKILL"), "off")
+    # by fact: the group changed under the run (a peer died), whatever the error says
+    assert retryable(RankDied(1, None, "SIGKILL"), "rank", False)
+    assert retryable(MembershipChanged(0, [1]), "all", False)
+    assert retryable(RemoteError(0, "monarch_nb.engine.script.ScriptExit", "1"), "rank", True)
+    assert not retryable(RemoteError(0, "RuntimeError", "Connection closed by peer"), "rank",
+                         False)
+    assert not retryable(RemoteError(0, "ValueError", "bad"), "rank", False)
+    assert not retryable(RankDied(1, None, "SIGKILL"), "off", True)
     assert metrics_of({"last": {"loss": 0.5}, "step": 7}) == {"loss": 0.5, "step": 7}
     assert metrics_of({"rank": 0, "last": {}, "step": None}) == {}
 
@@ -107,7 +112,7 @@ def test_script_runs_on_every_rank_with_torch_distributed_env(tmp_path: Path) ->
         env = [os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")]
         print("env", *env, "argv", sys.argv[1:], "sum", t.item(), __name__)
         dist.destroy_process_group()
-        """, script_args=("--", "a", "b"))
+        """, script_args=("--", "--", "a", "b"))
     assert res.returncode == 0, res.stderr
     assert "[0] env 0 2 0 127.0.0.1 argv ['--', 'a', 'b'] sum 3.0 __main__" in res.stdout
     assert "[1] env 1 2 1 127.0.0.1 argv ['--', 'a', 'b'] sum 3.0 __main__" in res.stdout
@@ -149,6 +154,7 @@ def test_sys_exit_code_is_the_launch_exit_code(tmp_path: Path) -> None:
     res = launch(tmp_path, "import sys\nsys.exit(3)\n", module=("monarch_nb.cli", "launch"))
     assert res.returncode == 3, res.stderr
     assert "rank 0: sys.exit(3) (exit 3)" in res.stderr
+    assert "runs the script again" not in res.stderr  # its own failure: no peer died
 
 
 def test_respawn_off_reports_the_death(tmp_path: Path) -> None:

@@ -79,8 +79,32 @@ class Supervisor:
         env = dict(os.environ)
         for var in (config.ENV_KEY_FILE,):
             env.pop(var, None)
-        env.update(self.extra_env)
         place = self.launcher.placement(rank, self.world_size)
+        # torchrun's environment (torch/distributed/elastic/agent/server/
+        # local_elastic_agent.py), so that code written for it runs as is and
+        # dist.is_torchelastic_launched() is True. The role is the whole mesh;
+        # a restart is this rank's respawn; there is no agent store (the group
+        # already exists when user code starts: rank 0 hosted its store).
+        # What the launcher was told (--role, --rdzv-id, --max-restarts)
+        # comes in extra_env and wins.
+        env.update({
+            "ROLE_NAME": "default",
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(self.world_size),
+            "GROUP_WORLD_SIZE": str(-(-self.world_size // max(1, place.local_world_size))),
+            "TORCHELASTIC_RESTART_COUNT": str(incarnation),
+            "TORCHELASTIC_MAX_RESTARTS": str(config.MeshConfig.restart_budget),
+            "TORCHELASTIC_RUN_ID": self.mesh_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_ERROR_FILE": os.path.join(self.log_dir,
+                                                    f"rank{rank}.{incarnation}.error.json"),
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        })
+        env.update(self.extra_env)
+        # torchrun's default for several ranks on one machine (it prints the
+        # notice once, as launch.py and %monarch start do); never over the user's
+        if place.local_world_size > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")
         env.update({
             "RANK": str(rank),
             "LOCAL_RANK": str(place.local_rank),
@@ -108,6 +132,8 @@ class Supervisor:
             # interface the host name resolves to).
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         pin_env(self.backend, place.local_rank, env)
+        if env.get("MONARCH_NB_VIRTUAL_LOCAL_RANK") == "1":
+            env["LOCAL_RANK"] = "0"  # torchrun's --virtual-local-rank: its one GPU is cuda:0
         return env
 
     def start_spare(self) -> None:

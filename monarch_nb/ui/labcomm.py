@@ -8,10 +8,17 @@ side panel. It learns about the mesh only through the comm target
 Who opens the comm. Both sides can, so that every order of events works:
 
 * when ``%load_ext monarch_nb`` runs in an ipykernel, :func:`attach`
-  registers the kernel-side target *and* opens a comm to the front end's
-  target of the same name (the extension registers it on every kernel it
-  sees). This reaches an already open JupyterLab at once, even while the
-  kernel stays busy in the rest of the cell;
+  registers the kernel-side target *and*, when the front end is a
+  JupyterLab (or Notebook 7) page, opens a comm to the front end's target
+  of the same name (the extension registers it on every kernel it sees).
+  This reaches an already open page at once, even while the kernel stays
+  busy in the rest of the cell. A headless client (nbclient, nbconvert,
+  papermill) gets no such comm: it has no handler for the target and would
+  log "No handler found for comm target" on every run. The kernel cannot
+  ask the front end which targets it has; it goes by what JupyterLab's
+  pages do: their kernel is started by a Jupyter server for a notebook
+  (``JPY_SESSION_NAME`` in its environment) and their execute requests
+  carry JupyterLab's metadata (``deletedCells``, ``recordTiming``);
 * a page opened (or reloaded) later finds no comm, so the extension opens
   one to the kernel's target once per kernel connection. Before
   ``%load_ext`` the kernel has no such target and closes it (one line in
@@ -225,11 +232,31 @@ def attach(ipython: Any, source: Callable[[], Any]) -> Hub | None:
     else:
         hub.source = source
     manager.register_target(TARGET, lambda c, _msg: hub.add(c))
+    if not lab_front_end(kernel):
+        return hub  # a page opened later opens its comm itself
     try:  # reach a JupyterLab that is already open (its target may not exist: fine)
         hub.add(comm_pkg.create_comm(target_name=TARGET, data={"t": "hello"}), confirmed=False)
     except Exception:
         pass
     return hub
+
+
+LAB_METADATA = ("deletedCells", "recordTiming")  # what JupyterLab puts in execute requests
+
+
+def lab_front_end(kernel: Any) -> bool:
+    """Is this kernel driven by a JupyterLab / Notebook 7 page (which may
+    have the extension's comm target), rather than a headless client?"""
+    import os
+
+    if os.environ.get("JPY_SESSION_NAME"):  # started by a Jupyter server for a notebook
+        return True
+    try:
+        parent = kernel.get_parent("shell") or {}
+    except Exception:
+        return False
+    metadata = parent.get("metadata") or {}
+    return any(key in metadata for key in LAB_METADATA)
 
 
 def detach(ipython: Any) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from ..config import MeshConfig
 from ..errors import MeshNotRunning, UsageError
 from ..futures import MeshFuture
 from ..mesh import Mesh, RankResults
@@ -108,17 +109,40 @@ class _Parsers:
 _P = _Parsers()
 
 
-class _ArgError(UsageError):
-    pass
-
-
 def _parse(fn: Any, line: str) -> Any:
+    # (a UsageError of ours, shown as one line: "UsageError: argument -n: ...")
     try:
         return parse_argstring(fn, line)
     except SystemExit:  # argparse already printed the message
-        raise _ArgError(f"could not parse {line!r}; see %monarch help") from None
+        raise UsageError(f"could not parse {line!r}; see %monarch help") from None
     except Exception as exc:  # magic_arguments' UsageError
-        raise _ArgError(f"{exc}; see %monarch help") from None
+        raise UsageError(f"{exc}; see %monarch help") from None
+
+
+def _unsendable(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be pushed, naming the variable; None if it can."""
+    import cloudpickle
+
+    try:
+        cloudpickle.dumps(value)
+        return None
+    except Exception as exc:
+        kind = type(value)
+        where = "" if kind.__module__ == "builtins" else f"{kind.__module__}."
+        return (f"cannot push {name!r}: a {where}{kind.__qualname__} cannot be pickled "
+                f"({type(exc).__name__}: {exc}); create it on the ranks in a %%monarch cell "
+                "instead")
+
+
+def _omp_notice(per_node: int) -> None:
+    """torchrun's notice, when ranks on one machine get OMP_NUM_THREADS=1
+    (supervisor.py sets it unless the user did)."""
+    import os
+    import sys
+
+    if per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        print("monarch_nb: setting OMP_NUM_THREADS=1 for each rank (several ranks share this "
+              "machine); set OMP_NUM_THREADS yourself to tune it", file=sys.stderr)
 
 
 @magics_class
@@ -152,6 +176,10 @@ class MonarchMagics(Magics):
         args = _parse(_P.start, rest)
         if self.mesh is not None and self.mesh.running:
             raise UsageError(f"a mesh is already running ({self.mesh!r}); %monarch stop it first")
+        # refuse bad options before saying anything is starting
+        MeshConfig(n=args.n, backend=args.backend, respawn=args.respawn, launcher=args.launcher,
+                   hosts=tuple(h for h in args.hosts.split(",") if h),
+                   hang_timeout=args.hang_timeout)
         from IPython.display import display
 
         handle = display(_Text("monarch_nb: starting ranks..."), display_id=True)
@@ -167,6 +195,8 @@ class MonarchMagics(Magics):
                                launcher=args.launcher, hosts=args.hosts, progress=progress,
                                hang_timeout=args.hang_timeout)
         mesh = self.mesh
+        if args.launcher == "local":
+            _omp_notice(mesh.world_size)
         devices = sorted({row["device"] for row in mesh.status()})
         text = (f"monarch_nb: {mesh.world_size} ranks ready on {mesh.backend} "
                 f"({', '.join(devices)}) in {time.monotonic() - t0:.1f} s")
@@ -196,7 +226,14 @@ class MonarchMagics(Magics):
         missing = [n for n in args.names if n not in ns]
         if missing:
             raise UsageError(f"not defined in the kernel: {', '.join(missing)}")
-        mesh.ranks(args.ranks).push(**{n: ns[n] for n in args.names})
+        try:
+            mesh.ranks(args.ranks).push(**{n: ns[n] for n in args.names})
+        except UsageError:
+            for n in args.names:  # say which variable, and why
+                why = _unsendable(n, ns[n])
+                if why:
+                    raise UsageError(why) from None
+            raise
 
     def _cmd_pull(self, rest: str) -> RankResults:
         args = _parse(_P.pull, rest)

@@ -1,0 +1,429 @@
+"""The launcher's command line: its own options, torchrun's, and the
+announced form.
+
+Three ways to say the same launch, all accepted by ``python -m monarch_nb.launch``:
+
+* its own options before the script: ``--backend rocm --nodes 8
+  --gpus-per-node 8 train.py --lr 0.1``;
+* the announced form (Monarch's ROCm announcement): the launcher's own
+  options after the script are the launcher's, ``--`` ends them, everything
+  else goes to the script: ``--backend=rocm train.py --nodes=8
+  --gpus-per-node=8 --lr 0.1``. A line on stderr says which were taken;
+* torchrun's flags, every one of ``torchrun --help`` (torch 2.13), in both
+  spellings (``--nproc-per-node``/``--nproc_per_node``): honoured with
+  torchrun's meaning where monarch_nb has one, accepted with a notice where
+  it is moot here (the controller is the rendezvous, deaths are seen at
+  once), refused with a message naming what to use where it would mean
+  something monarch_nb does not do (elastic node ranges, a per-node agent).
+
+:func:`plan` turns the parsed options into ``Mesh.start`` keyword
+arguments, the run's own settings (how to run the script, log files, which
+ranks' output to show) and the notices to print. Pure: no process, no I/O
+except counting this machine's GPUs for ``--nproc-per-node gpu|auto``.
+
+Non-goals: running anything (launch.py), the ranks' environment (supervisor.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import BACKENDS, LAUNCHERS, LOOPBACK, RESPAWN_MODES, MeshConfig
+from .errors import UsageError
+
+# The launcher's own options that the announced form takes after the script.
+AFTER_SCRIPT = ("--backend", "--nodes", "--gpus-per-node", "--respawn", "--launcher", "--hosts")
+ENV_VIRTUAL_LOCAL_RANK = "MONARCH_NB_VIRTUAL_LOCAL_RANK"  # read by Supervisor.env_for
+
+
+def _both(name: str) -> list[str]:
+    """torchrun's two spellings: ``--nproc-per-node`` and ``--nproc_per_node``."""
+    under = name.replace("-", "_")
+    return [f"--{name}", f"--{under}"] if under != name else [f"--{name}"]
+
+
+def build_parser(prog: str = "python -m monarch_nb.launch") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, allow_abbrev=False,
+        description="Run SCRIPT on every rank of a mesh controlled by this process "
+                    "(supervised: dead ranks are respawned and run the script again).",
+        epilog="Options go before SCRIPT. After SCRIPT, the launcher's own options "
+               f"({', '.join(AFTER_SCRIPT)}) are still the launcher's (the announced form: "
+               "train.py --nodes=8 --gpus-per-node=8); `--` ends them and everything else "
+               "is passed to the script. torchrun's flags are accepted too (README: "
+               "'torchrun flags').",
+    )
+    p.add_argument("--backend", default="auto", choices=BACKENDS)
+    p.add_argument("--nodes", type=int, default=None, metavar="N",
+                   help="number of nodes (slurm/ssh: nodes of the allocation or --hosts; local: 1)")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                   help="ranks per node (one per GPU; with --backend cpu, CPU ranks per node)")
+    p.add_argument("-n", "--ranks", dest="n", type=int, default=None, metavar="N",
+                   help="total ranks (default: nodes x gpus-per-node, else the visible GPUs, "
+                        "else min(4, CPU cores))")
+    p.add_argument("--respawn", default="rank", choices=RESPAWN_MODES)
+    p.add_argument("--launcher", default=None, choices=LAUNCHERS,
+                   help="local (default), ssh, slurm, or join (ranks started by hand)")
+    p.add_argument("--hosts", default="", help="comma-separated hosts (ssh launcher)")
+    p.add_argument("--bind", default=None,
+                   help="controller address (default: loopback for local, this host's "
+                        "address for ssh/slurm; non-loopback turns on CurveZMQ)")
+    p.add_argument(*_both("master-addr"), dest="master_addr", default=None,
+                   help="rank 0's host address for torch.distributed (default: 127.0.0.1 "
+                        "locally, the first host / slurm node otherwise)")
+    p.add_argument("--insecure-no-encryption", action="store_true",
+                   help="DANGEROUS: no CurveZMQ on a non-loopback bind (messages stay signed "
+                        "but anyone on the network can read them)")
+    p.add_argument("--no-status", action="store_true",
+                   help="no live status display (also off when stderr is not a terminal)")
+
+    t = p.add_argument_group("torchrun's flags", "accepted as torchrun has them (README: "
+                             "'torchrun flags' says what each does here)")
+    t.add_argument("--nnodes", default=None, help="N, or MIN:MAX with MIN == MAX")
+    t.add_argument(*_both("nproc-per-node"), dest="nproc_per_node", default=None,
+                   help="ranks per node: a number, gpu, cpu or auto")
+    t.add_argument("--standalone", action="store_true", help="one node (the default here)")
+    t.add_argument(*_both("node-rank"), dest="node_rank", type=int, default=None)
+    t.add_argument(*_both("max-restarts"), dest="max_restarts", type=int, default=None,
+                   help="respawns of one rank before it counts as failed")
+    t.add_argument(*_both("rdzv-backend"), dest="rdzv_backend", default=None)
+    t.add_argument(*_both("rdzv-endpoint"), dest="rdzv_endpoint", default=None)
+    t.add_argument(*_both("rdzv-id"), dest="rdzv_id", default=None)
+    t.add_argument(*_both("rdzv-conf"), dest="rdzv_conf", default=None)
+    t.add_argument(*_both("master-port"), dest="master_port", type=int, default=None)
+    t.add_argument(*_both("monitor-interval"), dest="monitor_interval", type=float, default=None)
+    t.add_argument(*_both("start-method"), dest="start_method", default=None,
+                   choices=["spawn", "fork", "forkserver"])
+    t.add_argument(*_both("event-log-handler"), dest="event_log_handler", default=None)
+    t.add_argument("--role", default="default")
+    t.add_argument("-m", "--module", action="store_true",
+                   help="SCRIPT is a module name, run as `python -m` would")
+    t.add_argument(*_both("no-python"), dest="no_python", action="store_true",
+                   help="SCRIPT is a program, run as a child of each rank")
+    t.add_argument(*_both("run-path"), dest="run_path", action="store_true",
+                   help="run SCRIPT with runpy.run_path in the rank (what is done anyway)")
+    t.add_argument(*_both("log-dir"), dest="log_dir", default=None,
+                   help="save every rank's output under LOG_DIR/RUN_ID/")
+    t.add_argument("-r", "--redirects", default=None,
+                   help="rank output to the log files only: 1 stdout, 2 stderr, 3 both; "
+                        "or per local rank, 0:1,1:2")
+    t.add_argument("-t", "--tee", default=None, help="rank output to the log files and the console")
+    t.add_argument(*_both("local-ranks-filter"), dest="local_ranks_filter", default=None,
+                   help="show only these local ranks' output on the console, e.g. 0,1")
+    t.add_argument(*_both("duplicate-stdout-filters"), dest="dup_stdout", default=None)
+    t.add_argument(*_both("duplicate-stderr-filters"), dest="dup_stderr", default=None)
+    t.add_argument(*_both("local-addr"), dest="local_addr", default=None)
+    t.add_argument(*_both("logs-specs"), dest="logs_specs", default=None)
+    t.add_argument(*_both("numa-binding"), dest="numa_binding", default=None,
+                   choices=["node", "socket", "exclusive", "core-complex"])
+    t.add_argument(*_both("signals-to-handle"), dest="signals_to_handle", default=None)
+    t.add_argument(*_both("shutdown-timeout"), dest="shutdown_timeout", type=float, default=None)
+    t.add_argument(*_both("virtual-local-rank"), dest="virtual_local_rank", action="store_true")
+
+    p.add_argument("script", help="the Python file every rank runs as __main__ (with -m a "
+                                  "module, with --no-python a program)")
+    p.add_argument("args", nargs="*", help="arguments for the script")
+    return p
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Options, the script, and the script's arguments verbatim (argparse
+    would eat a leading ``--`` or take the script's own options). After the
+    script, the launcher's own options (AFTER_SCRIPT) are taken, up to a
+    ``--``; ``ns.taken`` lists them."""
+    takes_value = {opt for action in parser._actions if action.nargs != 0
+                   for opt in action.option_strings}
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            i += 1
+            break
+        if not tok.startswith("-") or tok == "-":
+            break
+        i += 2 if tok in takes_value else 1  # (--opt=value and -n2 are one token)
+    options = [t for t in argv[:i] if t != "--"]
+    if i >= len(argv):
+        parser.parse_args(options)  # --help, or "the following arguments are required: script"
+        parser.error("the following arguments are required: script")
+    script, rest = argv[i], argv[i + 1:]
+    taken: list[str] = []
+    args: list[str] = []
+    j = 0
+    while j < len(rest):
+        tok = rest[j]
+        if tok == "--":
+            args.extend(rest[j + 1:])
+            break
+        name, eq, _ = tok.partition("=")
+        if name in AFTER_SCRIPT:
+            step = 1 if eq or j + 1 >= len(rest) else 2
+            taken.extend(rest[j:j + step])
+            j += step
+            continue
+        args.append(tok)
+        j += 1
+    ns = parser.parse_args([*options, *taken, "--", script])
+    ns.args = args
+    ns.taken = taken
+    return ns
+
+
+# -- what the options mean ------------------------------------------------------------------
+@dataclass
+class Plan:
+    """A launch, decided: ``mesh`` are ``Mesh.start`` keyword arguments."""
+
+    mesh: dict[str, Any]
+    mode: str = "path"  # path | module | exec (run_script's modes)
+    run_id: str = ""
+    per_node: int = 1
+    log_dir: str | None = None
+    console: dict[int, set[str]] | None = None  # local rank -> streams shown (None: all)
+    hidden: dict[int, set[str]] = field(default_factory=dict)  # local rank -> streams not shown
+    dup_filters: dict[str, list[str]] = field(default_factory=dict)  # stream -> words
+    notes: list[str] = field(default_factory=list)
+
+
+def _nnodes(text: str | None) -> int | None:
+    if text is None:
+        return None
+    low, _, high = text.partition(":")
+    try:
+        lo, hi = int(low), int(high or low)
+    except ValueError:
+        raise UsageError(f"--nnodes {text!r}: give a number of nodes, e.g. --nnodes 2") from None
+    if lo != hi:
+        raise UsageError(f"--nnodes {text}: monarch_nb keeps a fixed world size and replaces a "
+                         "lost rank in place (--respawn rank) instead of growing and shrinking "
+                         f"the job; give one number, --nnodes {hi}")
+    return hi
+
+
+def _nproc(value: str | None, backend: str) -> tuple[int | None, str]:
+    """(ranks per node, backend) for torchrun's --nproc-per-node."""
+    if value is None:
+        return None, backend
+    if value.isdigit():
+        return int(value), backend
+    if value == "xpu":
+        raise UsageError("--nproc-per-node xpu: monarch_nb runs on CUDA, ROCm or CPU ranks; "
+                         "use a number, gpu, cpu or auto")
+    if value not in ("gpu", "cpu", "auto"):
+        raise UsageError(f"--nproc-per-node {value!r}: use a number, gpu, cpu or auto")
+    if value == "cpu":
+        return os.cpu_count() or 1, "cpu" if backend == "auto" else backend
+    from .backends import resolve
+
+    info = resolve("auto" if backend == "cpu" and value == "gpu" else backend)
+    if info.devices:
+        return len(info.devices), backend
+    if value == "gpu":
+        raise UsageError("--nproc-per-node gpu: torch sees no GPU here; use --nproc-per-node "
+                         "cpu or a number (CPU ranks)")
+    return os.cpu_count() or 1, "cpu" if backend == "auto" else backend  # auto without a GPU
+
+
+def _streams(spec: str | None, flag: str) -> dict[int, set[str]]:
+    """torchrun's -r/-t: ``3`` (every local rank) or ``0:1,1:2``; -1 = all ranks."""
+    if spec is None:
+        return {}
+    names = {"0": set(), "1": {"stdout"}, "2": {"stderr"}, "3": {"stdout", "stderr"}}
+    out: dict[int, set[str]] = {}
+    for part in spec.split(","):
+        rank, sep, code = part.strip().rpartition(":")
+        if code not in names or (sep and not rank.isdigit()):
+            raise UsageError(f"{flag} {spec!r}: use 0-3 (1 stdout, 2 stderr, 3 both) or "
+                             "LOCAL_RANK:0-3 pairs, e.g. 0:1,1:2")
+        out[int(rank) if sep else -1] = names[code]
+    return out
+
+
+def _filters(text: str | None) -> list[str]:
+    if not text:
+        return []
+    return [w.replace("\0", ",") for w in text.replace(",,", "\0").split(",") if w]
+
+
+def plan(ns: argparse.Namespace) -> Plan:
+    """What the parsed options ask for (UsageError for what cannot be done)."""
+    notes: list[str] = []
+
+    def moot(flag: str, why: str) -> None:
+        notes.append(f"monarch_nb: {flag} is not used: {why}")
+
+    if ns.node_rank not in (None, 0):
+        raise UsageError(f"--node-rank {ns.node_rank}: monarch_nb starts every node from one "
+                         "controller; run the launch once, on node 0, with --nnodes N and "
+                         "--hosts H1,H2 (ssh) or inside a SLURM allocation, or start the ranks "
+                         "of other nodes with `monarch-nb worker --join` (--launcher join)")
+    if ns.numa_binding:
+        raise UsageError("--numa-binding is not supported: monarch_nb does not bind ranks to "
+                         "CPUs; leave it out, or wrap the launch in numactl")
+    if ns.logs_specs:
+        raise UsageError("--logs-specs is not supported: monarch_nb writes rank logs itself; "
+                         "use --log-dir DIR (with -r/-t and --local-ranks-filter)")
+    if ns.module and ns.no_python:
+        raise UsageError("Don't use both the '--no-python' flag and the '--module' flag at "
+                         "the same time.")
+
+    nodes = ns.nodes
+    nnodes = _nnodes(ns.nnodes)
+    if nnodes is not None:
+        if nodes is not None and nodes != nnodes:
+            raise UsageError(f"--nodes {nodes} and --nnodes {nnodes} disagree; give one")
+        nodes = nnodes
+    per_node, backend = _nproc(ns.nproc_per_node, ns.backend)
+    if per_node is not None:
+        if ns.gpus_per_node is not None and ns.gpus_per_node != per_node:
+            raise UsageError(f"--gpus-per-node {ns.gpus_per_node} and --nproc-per-node "
+                             f"{ns.nproc_per_node} disagree; give one")
+    else:
+        per_node = ns.gpus_per_node
+    if nodes is not None and nodes < 1:
+        raise UsageError(f"--nodes must be at least 1, not {nodes}")
+    if per_node is not None and per_node < 1:
+        raise UsageError(f"--gpus-per-node must be at least 1, not {per_node}")
+    if ns.standalone and (nodes or 1) > 1:
+        raise UsageError(f"--standalone runs on one node, not {nodes}; leave out --standalone "
+                         "for several nodes")
+
+    launcher = ns.launcher
+    bind, master = ns.bind, ns.master_addr
+    endpoint = None if ns.standalone else ns.rdzv_endpoint
+    if ns.standalone and ns.rdzv_endpoint:
+        moot("--rdzv-endpoint", "--standalone chooses its own (as torchrun does)")
+    if launcher is None:
+        launcher = "local"
+        if (nodes or 1) > 1:
+            if ns.hosts:
+                launcher = "ssh"
+            elif os.environ.get("SLURM_JOB_ID"):
+                launcher = "slurm"
+            elif endpoint:
+                launcher = "join"
+            else:
+                raise UsageError(f"--nnodes {nodes}: monarch_nb starts every node from this one "
+                                 "controller: add --hosts H1,H2 (ssh), run inside a SLURM "
+                                 "allocation, or give --rdzv-endpoint HOST:PORT to start the "
+                                 "ranks by hand (monarch-nb worker --join)")
+    if endpoint:
+        host = endpoint.rsplit(":", 1)[0].strip("[]") if ":" in endpoint else endpoint
+        if launcher == "join":
+            bind = bind or (host if host not in LOOPBACK else None)
+            master = master or host
+            notes.append(f"monarch_nb: --rdzv-endpoint {endpoint}: this controller is the "
+                         f"rendezvous, listening on {host} (its port is chosen freely); each "
+                         "rank's `monarch-nb worker --join` command is printed below")
+        elif launcher == "local":
+            moot(f"--rdzv-endpoint {endpoint}", "one node: the ranks meet at this controller")
+        else:
+            master = master or (host if host not in LOOPBACK else None)
+            notes.append(f"monarch_nb: --rdzv-endpoint {endpoint}: this controller is the "
+                         f"rendezvous; the {launcher} launcher starts every node's ranks")
+    if ns.rdzv_backend and ns.rdzv_backend not in ("c10d", "static"):
+        moot(f"--rdzv-backend {ns.rdzv_backend}", "this controller is the rendezvous")
+
+    opts: dict[str, Any] = {"backend": backend, "respawn": ns.respawn, "launcher": launcher,
+                            "hosts": ns.hosts}
+    n = ns.n
+    if n is None and per_node is not None:
+        n = (nodes or 1) * per_node
+    opts["n"] = n
+    if nodes is not None:
+        opts["nodes"] = nodes
+    if per_node is not None:
+        opts["gpus_per_node"] = per_node
+    if bind is not None:
+        opts["bind"] = bind
+    if master is not None:
+        opts["master_addr"] = master
+    if ns.insecure_no_encryption:
+        opts["insecure_no_encryption"] = True
+    budget = MeshConfig.restart_budget
+    if ns.max_restarts is not None:
+        if ns.max_restarts < 0:
+            raise UsageError(f"--max-restarts must be 0 or more, not {ns.max_restarts}")
+        budget = opts["restart_budget"] = ns.max_restarts
+    for item in (ns.rdzv_conf or "").split(","):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if not key:
+            continue
+        if key == "join_timeout":
+            try:
+                opts["start_timeout"] = float(value)
+            except ValueError:
+                raise UsageError(f"--rdzv-conf join_timeout={value!r}: a number of seconds") \
+                    from None
+        else:
+            moot(f"--rdzv-conf {key}", "this controller is the rendezvous (join_timeout is "
+                                       "the one setting it takes: how long ranks may take to start)")
+
+    if ns.master_port is not None:
+        moot(f"--master-port {ns.master_port}", "the controller picks a free port for each "
+                                                "generation of the group (it re-forms the group "
+                                                "after a death); MASTER_PORT names it")
+    if ns.monitor_interval is not None:
+        moot("--monitor-interval", "a rank's death is seen at once (pidfd) and a hung one by "
+                                   "its heartbeats")
+    if ns.start_method in ("fork", "forkserver"):
+        moot(f"--start-method {ns.start_method}", "ranks are always fresh interpreters "
+                                                  "(spawn), never forks")
+    if ns.event_log_handler:
+        moot("--event-log-handler", "monarch_nb's events are shown here and in mesh.events")
+    if ns.local_addr:
+        moot("--local-addr", "the controller's address is --bind")
+    if ns.signals_to_handle:
+        moot("--signals-to-handle", "SIGINT and SIGTERM stop every rank; other signals are "
+                                    "not forwarded")
+    if ns.shutdown_timeout is not None:
+        moot("--shutdown-timeout", "ranks are stopped over their socket, and killed after 3 s")
+
+    run_id = (None if ns.standalone else ns.rdzv_id) or uuid.uuid4().hex
+    env = {"ROLE_NAME": ns.role, "TORCHELASTIC_RUN_ID": run_id,
+           "TORCHELASTIC_MAX_RESTARTS": str(budget)}
+    if ns.virtual_local_rank:
+        env[ENV_VIRTUAL_LOCAL_RANK] = "1"
+    opts["extra_env"] = tuple(sorted(env.items()))
+
+    redirects, tees = _streams(ns.redirects, "-r"), _streams(ns.tee, "-t")
+    log_dir = ns.log_dir
+    if (redirects or tees or ns.dup_stdout or ns.dup_stderr) and log_dir is None:
+        import tempfile
+
+        log_dir = tempfile.mkdtemp(prefix="monarch-nb-logs-")
+    console = None
+    if ns.local_ranks_filter:
+        try:
+            shown = {int(r) for r in ns.local_ranks_filter.split(",") if r.strip()}
+        except ValueError:
+            raise UsageError(f"--local-ranks-filter {ns.local_ranks_filter!r}: local ranks, "
+                             "e.g. 0,1") from None
+        console = {r: {"stdout", "stderr"} for r in shown}
+    mode = "module" if ns.module else ("exec" if ns.no_python else "path")
+    return Plan(mesh=opts, mode=mode, run_id=run_id, per_node=per_node or n or 1,
+                log_dir=log_dir, console=console, hidden=redirects,
+                dup_filters={"stdout": _filters(ns.dup_stdout),
+                             "stderr": _filters(ns.dup_stderr)},
+                notes=notes)
+
+
+def mesh_options(ns: argparse.Namespace) -> dict[str, Any]:
+    """``Mesh.start`` keyword arguments for parsed command-line options."""
+    return plan(ns).mesh
+
+
+def shown(p: Plan, local_rank: int, stream: str) -> bool:
+    """Does this local rank's ``stream`` go to the console?"""
+    if p.console is not None and stream not in p.console.get(local_rank, set()):
+        return False
+    hidden = p.hidden.get(local_rank, p.hidden.get(-1, set()))
+    return stream not in hidden
+
+
+__all__ = ["AFTER_SCRIPT", "Plan", "build_parser", "mesh_options", "parse", "plan", "shown"]
