@@ -61,6 +61,12 @@ class State:
     (model, optimizer, scheduler...) and plain scalars (step, epoch, ...),
     which are attributes: ``state.step += 1``."""
 
+    # set with object.__setattr__ in __init__ (attribute writes are the user's fields)
+    _objects: dict[str, Any]
+    _scalars: list[str]
+    _snapshot: dict[str, Any]
+    commits: int
+
     def __init__(self, **items: Any) -> None:
         objects = {k: v for k, v in items.items() if hasattr(v, "state_dict")}
         scalars = {k: v for k, v in items.items() if k not in objects}
@@ -161,6 +167,6 @@ def _sync(state: State) -> None:
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     src = max(everyone, key=lambda item: (item[0], -item[1]))[1]
-    box = [state._snapshot if dist.get_rank() == src else None]
+    box: list[Any] = [state._snapshot if dist.get_rank() == src else None]
     dist.broadcast_object_list(box, src=src)
     state._load(box[0])

@@ -114,7 +114,14 @@ def ks() -> Iterator[KernelSession]:
 def _run(ks: KernelSession, code: str, timeout: float = 120.0) -> str:
     """Run a cell keeping every iopub message in ``ks.late`` (the cell's own
     comm messages too, which ``ks.run`` would consume); its reply status."""
-    msg_id = ks.execute(code)
+    # sent as JupyterLab sends it (with its execute metadata): the kernel
+    # opens the comm only for a front end that has the extension's target
+    content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
+               "allow_stdin": False, "stop_on_error": True}
+    request = ks.kc.session.msg("execute_request", content, metadata={
+        "deletedCells": [], "recordTiming": False, "cellId": uuid.uuid4().hex})
+    ks.kc.shell_channel.send(request)
+    msg_id = request["header"]["msg_id"]
     deadline = time.monotonic() + timeout
     while True:
         msg = ks.kc.get_iopub_msg(timeout=max(deadline - time.monotonic(), 0.1))

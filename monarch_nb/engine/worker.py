@@ -134,7 +134,7 @@ class Worker:
         except BaseException as exc:  # report, then die: the controller decides
             text = "".join(traceback.format_exception(exc))
             self._send_main(Kind.FAILED_START, meta={"error": f"{type(exc).__name__}: {exc}", "tb": text})
-            sys.__stderr__.write(text)
+            print(text, file=sys.__stderr__, end="")
             self._exit(2)
         pgcompat.install()  # the user's init/destroy_process_group keep the mesh's group
         # argparse names the program after sys.argv[0]: the cell, not worker.py
@@ -369,7 +369,9 @@ class Worker:
         tree = ast.parse(code, filename=name, mode="exec")
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr) and not code.rstrip().endswith(";"):
-            last = ast.Expression(tree.body.pop().value)
+            expr = tree.body.pop()
+            assert isinstance(expr, ast.Expr)  # (checked above; for the type checker)
+            last = ast.Expression(expr.value)
         exec(compile(tree, name, "exec"), self.namespace)
         if last is not None:
             return eval(compile(last, name, "eval"), self.namespace)
@@ -408,7 +410,7 @@ class Worker:
         health = HealthProbe()
         while True:
             busy = self.running_call != 0 or self.output.pending or self.metrics.pending
-            events = poller.poll(OUTPUT_FLUSH_S * 1000 if busy else HEARTBEAT_S * 500)
+            events = poller.poll(int(OUTPUT_FLUSH_S * 1000 if busy else HEARTBEAT_S * 500))
             now = time.monotonic()
             if events:
                 while True:
@@ -439,8 +441,8 @@ class Worker:
                 next_beat = now + HEARTBEAT_S
                 self._send_ctl(Kind.HEARTBEAT, meta={"busy": self.running_call, "h": health.read()})
                 if now - self.last_ping > env.controller_timeout:
-                    sys.__stderr__.write(f"monarch_nb rank {env.rank}: controller silent for "
-                                         f"{env.controller_timeout:g} s, exiting\n")
+                    print(f"monarch_nb rank {env.rank}: controller silent for "
+                          f"{env.controller_timeout:g} s, exiting", file=sys.__stderr__)
                     os._exit(3)
                 if env.parent_pid and os.getppid() != env.parent_pid:
                     os._exit(3)

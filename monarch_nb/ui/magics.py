@@ -153,6 +153,11 @@ class MonarchMagics(Magics):
         self.pending: dict[str, MeshFuture] = {}
         self._anon = 0
 
+    @property
+    def _shell(self) -> Any:
+        """The IPython shell (set once the extension is loaded into one)."""
+        return self.shell
+
     # -- entry point ----------------------------------------------------------
     @line_cell_magic
     def monarch(self, line: str, cell: str | None = None) -> Any:
@@ -222,7 +227,7 @@ class MonarchMagics(Magics):
     def _cmd_push(self, rest: str) -> None:
         args = _parse(_P.push, rest)
         mesh = self._mesh()
-        ns = self.shell.user_ns
+        ns = self._shell.user_ns
         missing = [n for n in args.names if n not in ns]
         if missing:
             raise UsageError(f"not defined in the kernel: {', '.join(missing)}")
@@ -265,7 +270,7 @@ class MonarchMagics(Magics):
             result = mesh.wait(fut)  # raises RankErrors like a blocking cell
             self.pending.pop(name, None)
             if not name.startswith("_"):
-                self.shell.user_ns[name] = result
+                self._shell.user_ns[name] = result
         return result if args.name is not None else None
 
     def _cmd_restart(self, rest: str) -> None:
@@ -294,7 +299,7 @@ class MonarchMagics(Magics):
             raise UsageError(f"-o needs a variable name, not {args.output!r}")
         mesh = self._mesh()
         sub = mesh.ranks(args.ranks)
-        name = f"<mnb-cell-{self.shell.execution_count}>"
+        name = f"<mnb-cell-{self._shell.execution_count}>"
         if args.no_block:
             fut = sub.exec(cell, setup=args.setup, name=name, block=False, elastic=args.elastic,
                            hang_timeout=args.hang_timeout)
@@ -302,12 +307,12 @@ class MonarchMagics(Magics):
             self._anon += 1
             self.pending[key] = fut
             if args.output:
-                self.shell.user_ns[args.output] = fut
+                self._shell.user_ns[args.output] = fut
             return fut
         results = sub.exec(cell, setup=args.setup, name=name, timeout=args.timeout,
                            elastic=args.elastic, hang_timeout=args.hang_timeout)
         if args.output:
-            self.shell.user_ns[args.output] = results
+            self._shell.user_ns[args.output] = results
         if all(v is None for v in results.values()):
             return None
         return results
