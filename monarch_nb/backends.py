@@ -216,8 +216,8 @@ def init_group(backend: str, rank: int, world_size: int, addr: str = "127.0.0.1"
     import torch
     import torch.distributed as dist
 
-    kwargs: dict[str, Any] = {"rank": rank, "world_size": world_size,
-                              "store": make_store(rank, world_size, addr, port, abort=abort)}
+    store = make_store(rank, world_size, addr, port, abort=abort)
+    kwargs: dict[str, Any] = {"rank": rank, "world_size": world_size, "store": store}
     if timeout_s:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     if backend in ("cuda", "rocm"):
@@ -229,7 +229,12 @@ def init_group(backend: str, rank: int, world_size: int, addr: str = "127.0.0.1"
         iface = interface_towards(addr)
         if iface:  # several hosts: the interface that reaches rank 0's host
             os.environ["GLOO_SOCKET_IFNAME"] = iface
+    before = _tcp_links(store.port)
     dist.init_process_group("gloo", **kwargs)
+    # gloo connects every pair while the group forms: the connections that
+    # appeared meanwhile are the group's own (see leave_group)
+    _group_links[:] = [(fd, ends) for fd, ends in _tcp_links(store.port).items()
+                       if before.get(fd) != ends]
     return "cpu"
 
 
@@ -238,14 +243,76 @@ def leave_group() -> None:
     freed: gloo closes a group's connections only when the group object goes
     away, and until then a peer waiting in a collective on this rank stays
     stuck there (one that fails out of a collective after a member died
-    releases the others like this, each in turn)."""
+    releases the others like this, each in turn).
+
+    The group's connections are shut down first. gloo's group object, when
+    freed, waits for the collectives its threads run, and gloo has no abort:
+    two survivors each waiting in a collective for the other, each in its
+    own group's destructor, would wait for the group's timeout (30 min).
+    With the connections shut, those collectives fail at once ("Connection
+    closed by peer") here and on the peers."""
     import torch.distributed as dist
 
+    _cut_links()
     if not dist.is_initialized():
         return
-    group = dist.distributed_c10d._get_default_group()
+    held = [dist.distributed_c10d._get_default_group()]
     dist.destroy_process_group()
-    _forget_group(group)
+    _forget_group(held[0])
+    _free_group(held)
+
+
+def _free_group(held: list[Any]) -> None:
+    """Drop the old group's reference (its last one, unless the user's code
+    keeps another). gloo's destructor runs here and waits for the
+    collectives its threads still run; should one of them never end (gloo's
+    event loop can spin on a connection a dead peer left behind, and then
+    no error reaches the waiting collective), this frame is where the rank
+    stays: the controller, probing a member that has not re-formed, reads it
+    as a collective (stacks.py) and replaces the process."""
+    held.clear()
+
+
+# The default gloo group's connections to its peers: (fd, (local, remote)).
+_group_links: list[tuple[int, tuple[tuple[str, int], tuple[str, int]]]] = []
+
+
+def _tcp_links(store_port: int) -> dict[int, tuple[tuple[str, int], tuple[str, int]]]:
+    """This process's established TCP connections, but the store's (fd ->
+    (local, remote) address)."""
+    import psutil
+
+    links = {}
+    for c in psutil.Process().net_connections(kind="tcp"):
+        if c.fd < 0 or not c.raddr or c.status != psutil.CONN_ESTABLISHED:
+            continue
+        if store_port in (c.laddr.port, c.raddr.port):
+            continue
+        links[c.fd] = ((c.laddr.ip, c.laddr.port), (c.raddr.ip, c.raddr.port))
+    return links
+
+
+def _cut_links() -> None:
+    """Shut down the group's connections (noted when it formed). Each fd is
+    duplicated and checked to be the same connection first: one gloo closed
+    already may have been reused since."""
+    import socket
+
+    links, _group_links[:] = list(_group_links), []
+    for fd, (local, remote) in links:
+        family = socket.AF_INET6 if ":" in local[0] else socket.AF_INET
+        try:
+            sock = socket.fromfd(fd, family, socket.SOCK_STREAM)
+        except OSError:  # closed already
+            continue
+        try:
+            if (tuple(sock.getsockname()[:2]) == local
+                    and tuple(sock.getpeername()[:2]) == remote):
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.close()  # the duplicate; gloo closes its own
 
 
 def _forget_group(group: Any) -> None:

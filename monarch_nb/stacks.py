@@ -46,8 +46,12 @@ class RankStacks:
     def collective(self) -> str | None:
         """The torch.distributed call the main thread waits in, if any."""
         for filename, _line, func, _src in self.main:
-            if "torch/distributed/" in str(filename).replace("\\", "/") and func not in _WRAPPERS:
+            path = str(filename).replace("\\", "/")
+            if "torch/distributed/" in path and func not in _WRAPPERS:
                 return str(func)
+            if func == "_free_group" and path.endswith("monarch_nb/backends.py"):
+                # leaving the old group: its destructor waits for a collective
+                return "destroy_process_group"
         return None
 
     def user_frame(self) -> list[Any] | None:

@@ -220,6 +220,9 @@ class _Supervisor:
     def tail(self, rank: int, lines: int = 10) -> list[str]:
         return []
 
+    def death_hint(self, rank: int, health: dict[str, Any]) -> str:
+        return ""
+
     def start_spare(self) -> None:
         pass
 
@@ -330,15 +333,16 @@ def test_a_kill_during_re_formation_waits_out_the_backoff_and_calls_wait_too() -
     assert kinds[-2:] == ["reform", "call"]
 
 
-def test_a_kill_during_setup_replay_is_announced_as_a_death_not_as_a_setup_failure() -> None:
+def test_a_kill_during_setup_replay_is_announced_with_how_the_rank_died() -> None:
     s = Story()
     s.calls.setup_cells.append({"code": "import torch", "name": "<mnb-cell-1>", "setup": True})
     s.die(3)
     s.ready(3)  # the setup replay is sent
     assert s.sent_to(3, "exec") == 1
     s.die(3)
-    assert not any("replaying setup" in n for n in s.notes)
-    assert s.events(EventKind.SETUP_FAILED) == []
+    (note,) = [n for n in s.notes if "replaying setup" in n]
+    assert note.endswith("on rank 3 failed: rank 3 died (killed by SIGKILL)"), note
+    assert s.events(EventKind.SETUP_FAILED) == [3]
 
 
 def test_a_setup_replay_failure_names_its_reason() -> None:
@@ -349,7 +353,7 @@ def test_a_setup_replay_failure_names_its_reason() -> None:
     (replay,) = list(s.calls)
     s.calls.complete(replay, 2, error=RemoteError(2, "RuntimeError", "boom on replay", "tb"))
     (note,) = [n for n in s.notes if "replaying setup" in n]
-    assert note.endswith("failed: rank 2: RuntimeError: boom on replay")
+    assert note.endswith("failed: rank 2: RuntimeError: boom on replay"), note
 
 
 def test_budget_give_up_mid_elastic_call_ends_it_and_interrupts_the_survivors() -> None:

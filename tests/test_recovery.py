@@ -172,7 +172,6 @@ def test_a_rank_respawned_on_a_user_thread_outlives_that_thread() -> None:
 
 
 # -- 3 ---------------------------------------------------------------------------------------
-@pytest.mark.xfail(reason="defect 3 not fixed yet: a survivor is still found in the old group's collective after the 3 s grace and replaced (issue 17 stays open)", strict=False)
 @pytest.mark.timeout(120)
 def test_an_idle_kill_costs_no_healthy_rank(capsys: pytest.CaptureFixture[str]) -> None:
     """A rank killed while the mesh is idle, then at once a cell with an
@@ -235,7 +234,6 @@ def test_a_logging_elastic_run_with_deaths_is_not_reported_without_progress(
     assert "no progress for" not in text, text
 
 
-@pytest.mark.xfail(reason="defect 4b partly fixed: the reason is named, but a replay on the second respawn is not recorded yet (issue 17 stays open)", strict=False)
 @pytest.mark.timeout(90)
 def test_a_failed_setup_replay_is_announced_with_its_reason(
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -284,7 +282,6 @@ x.item()
 """
 
 
-@pytest.mark.xfail(reason="defect 4c partly fixed: no 'rank none' any more, but a replaced survivor's error does not name the rank that died (issue 17 stays open)", strict=False)
 @pytest.mark.timeout(90)
 def test_a_survivors_error_names_the_rank_that_died() -> None:
     """A non-elastic cell all_reduces in a loop and rank 2 is killed: the

@@ -134,8 +134,10 @@ class CallTable:
     def fail(self, rank: int, error: BaseException, *, coming_back: bool) -> None:
         """``rank``'s process is gone (died, killed, replaced): every call
         that still waits for it loses it. An elastic call keeps it, to be
-        re-issued on the new process, if the rank is ``coming_back``."""
-        for call in list(self._calls.values()):
+        re-issued on the new process, if the rank is ``coming_back``.
+        Internal calls (a setup replay) end first: what they announce
+        reaches the user's calls before those end too."""
+        for call in sorted(self._calls.values(), key=lambda c: not c.internal):
             if not call.sent or (rank not in call.remaining and rank not in call.reissue):
                 continue  # (a call still waiting waits for the rank's next process)
             call.held.pop(rank, None)

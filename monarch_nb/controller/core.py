@@ -291,8 +291,15 @@ class Controller:
 
     def _on_metrics(self, info: RankInfo, msg: Message) -> None:
         call = self.calls.get(msg.call)
+        now = time.monotonic()
         if call is not None:
-            call.progress_at = time.monotonic()  # a metric is progress (hang watchdog)
+            call.progress_at = now  # a metric is progress (hang watchdog)
+        else:
+            # points logged by a process's first mnb.log call come uncounted
+            # (call 0): still progress for whatever the rank is running
+            for running in self.calls:
+                if info.rank in running.remaining:
+                    running.progress_at = now
         if msg.payload:
             self.metrics.add(info.rank, info.incarnation, decode_metrics(msg.payload[0]))
         self._count_chunk(call, info, msg)
@@ -409,7 +416,8 @@ class Controller:
                 or rank in self.recovery.awaiting_reform or self.recovery.policy.reform_pending())
 
     def _announce(self, line: str) -> None:
-        # once per cell: a re-issued elastic call shares its cell's output
+        # once per cell (a re-issued elastic call shares its cell's output),
+        # to the calls running or waiting for the ranks
         for output in {id(c.output): c.output for c in self.calls if not c.internal}.values():
             output.note(line)
         if self.announce is not None:

@@ -88,6 +88,8 @@ class Recovery:
         self.started = False  # the first start is over (later READYs are respawns)
         self.stopped = False
         self.awaiting_reform: dict[int, float] = {}  # member -> when to look where it is
+        self.lost: set[int] = set()  # the ranks whose new processes the last re-formation awaits
+        self.requested: set[int] = set()  # restarted by the user: their return is no news
         self.settled_at = time.monotonic()  # last start, death or respawn
 
     # -- processes ----------------------------------------------------------------
@@ -122,6 +124,7 @@ class Recovery:
         if code is None or info.state in GONE:
             return
         info.exitcode = code
+        self.requested.discard(rank)  # a death on the way back is news again
         self.settled_at = time.monotonic()
         was_starting = info.state == RankState.STARTING and not self.started
         self.ranks.move(rank, RankState.DEAD)
@@ -156,8 +159,11 @@ class Recovery:
             self.ranks.move(info.rank, RankState.BUSY)
             call.progress_at = info.ready_at
             self.io.send(info.main_id, call.frames)
-        self._announce(f"monarch_nb: rank {info.rank} is back (incarnation "
-                       f"{info.incarnation}, generation {self.generation})")
+        if info.rank in self.requested:
+            self.requested.discard(info.rank)
+        else:
+            self._announce(f"monarch_nb: rank {info.rank} is back (incarnation "
+                           f"{info.incarnation}, generation {self.generation})")
         self.send_waiting()
 
     def on_reformed(self, info: RankInfo, msg: Message) -> None:
@@ -180,8 +186,11 @@ class Recovery:
 
     def restart(self, ranks: tuple[int, ...]) -> None:
         """Replace ``ranks`` with new processes (thread-safe; user request)."""
-        self.io.call_soon(lambda: self.apply(self.policy.handle(
-            RestartRequested(ranks, time.monotonic()))))
+        def restart() -> None:
+            self.requested.update(ranks)
+            self.apply(self.policy.handle(RestartRequested(ranks, time.monotonic())))
+
+        self.io.call_soon(restart)
 
     def tick(self, now: float) -> None:
         deadline = self.policy.next_deadline()
@@ -280,6 +289,7 @@ class Recovery:
         self.supervisor.generation = action.generation
         frames = self.codec.sign(Kind.REFORM, meta={"generation": action.generation, "port": port})
         now = time.monotonic()
+        self.lost = {r for r in action.ranks if self.ranks[r].state == RankState.RESPAWNING}
         for rank in action.ranks:
             info = self.ranks[rank]
             if info.state == RankState.RESPAWNING:
@@ -293,8 +303,9 @@ class Recovery:
                 # collective with the dead rank fails out of it first (and
                 # leaves its group, releasing its peers), then re-forms
                 self.io.send(info.main_id, frames)
-                if info.state == RankState.BUSY:
-                    self.awaiting_reform[rank] = now + REFORM_GRACE_S
+                # looked at after the grace unless it re-formed by then (an
+                # idle member may hang leaving its old group, too)
+                self.awaiting_reform[rank] = now + REFORM_GRACE_S
         self.ranks.record(-1, EventKind.REFORMED,
                           f"generation {action.generation}, ranks {list(action.ranks)}")
         self.send_waiting()  # behind the REFORM on every live member's socket
@@ -309,8 +320,9 @@ class Recovery:
         if old is None or info.state not in LIVE:
             return
         self.supervisor.kill_proc(old)
-        self.calls.fail(rank, MembershipChanged(rank, (), "its process was replaced: it was "
-                                                "stuck in a collective after a member died"),
+        self.calls.fail(rank, MembershipChanged(rank, sorted(self.lost), "its process was "
+                                                "replaced: it was stuck in a collective after "
+                                                "the group changed"),
                         coming_back=True)
         self.ranks.move(rank, RankState.RESPAWNING)
         self.start_process(rank, self.policy.replace(rank))
@@ -337,10 +349,10 @@ class Recovery:
         if exc is None:
             return
         err = exc.errors.get(rank, exc) if isinstance(exc, RankErrors) else exc
-        if isinstance(err, RankDied):
-            return  # the death is announced on its own
+        # the first line says what happened (the rank's error, or how it
+        # died); later ones are a traceback or output, possibly blank
         lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-        reason = lines[-1] if lines else type(err).__name__
+        reason = lines[0] if lines else type(err).__name__
         self.ranks.record(rank, EventKind.SETUP_FAILED, f"{name}: {reason}")
         self._announce(f"monarch_nb: replaying setup cell {name} on rank {rank} failed: {reason}")
 

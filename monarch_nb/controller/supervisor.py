@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass, field
 
 import psutil
@@ -71,6 +72,10 @@ class Supervisor:
     spare: subprocess.Popen[bytes] | None = None  # torch imported, waiting (spares.py)
     spare_log: str = ""
     _spares: int = 0
+    # Set by terminate_all: a process a respawn or keep_spare forks after
+    # that (the I/O thread racing a stop) is killed at once, not kept.
+    closed: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         os.chmod(self.log_dir, 0o700)
@@ -139,7 +144,8 @@ class Supervisor:
     def start_spare(self) -> None:
         """Start a spare process for the next respawn (see spares.py). Local
         ranks only: a remote rank's interpreter starts on its node."""
-        if self.launcher.remote or (self.spare is not None and self.spare.poll() is None):
+        if self.closed or self.launcher.remote or (
+                self.spare is not None and self.spare.poll() is None):
             return
         env = dict(os.environ)
         env.pop(config.ENV_KEY_FILE, None)
@@ -147,7 +153,12 @@ class Supervisor:
         env.update({config.ENV_PARENT_PID: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
         self._spares += 1
         self.spare_log = os.path.join(self.log_dir, f"spare{self._spares}.log")
-        self.spare = self.spawner.call(spares.start, env, self.spare_log)
+        popen = self.spawner.call(spares.start, env, self.spare_log)
+        with self._lock:
+            if not self.closed:
+                self.spare = popen
+                return
+        spares.discard(popen)  # the mesh stopped while it started
 
     def spare_ready(self) -> bool:
         """A spare is waiting with torch imported (the next respawn is fast)."""
@@ -175,8 +186,12 @@ class Supervisor:
         from ..wire.transport import pidfd_open
 
         proc.pidfd = pidfd_open(popen.pid)
-        self.procs[rank] = proc
-        self.history.append(proc)
+        with self._lock:
+            self.procs[rank] = proc
+            self.history.append(proc)
+            if not self.closed:
+                return proc
+        self.kill_proc(proc)  # the mesh stopped while it started
         return proc
 
     def reap(self, rank: int, proc: RankProcess | None = None) -> int | None:
@@ -259,12 +274,15 @@ class Supervisor:
         """SIGTERM-free stop: ranks were asked to STOP over the socket by the
         controller; whoever is still alive after ``grace`` gets SIGKILL —
         including any child processes the user's code started."""
+        with self._lock:
+            self.closed = True
         for proc in self.history:
             _close_stdin(proc)  # remote ranks and join sentinels: leave now
         alive = []
-        if self.spare is not None:
-            spares.discard(self.spare)
-            self.spare = None
+        with self._lock:
+            spare, self.spare = self.spare, None
+        if spare is not None:
+            spares.discard(spare)
         for proc in [p for p in self.history if p.popen.poll() is None]:
             try:
                 p = psutil.Process(proc.pid)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import collections
 import ctypes
+import gc
 import importlib
 import json
 import linecache
@@ -204,7 +205,7 @@ class Worker:
             # kept for %monarch debug, as the interactive interpreter keeps it
             sys.last_exc, sys.last_type, sys.last_value, sys.last_traceback = (  # type: ignore[attr-defined]
                 exc, type(exc), exc, exc.__traceback__)
-            self._release_peers(error)
+            self._release_peers(exc, error)
         n_out, tail = self.output.finish()
         if (n_out or tail) and isinstance(sys.stdout, RankStream):
             sys.stdout.flush()  # into the rank's log file too (%monarch logs)
@@ -254,15 +255,24 @@ class Worker:
         else:  # one frame: no send_frames loop
             socket_send(self.main_sock, self.main_codec.sign(Kind.RESULT, (), call=call, meta=meta)[0])
 
-    def _release_peers(self, error: dict[str, str]) -> None:
+    def _release_peers(self, exc: BaseException, error: dict[str, str]) -> None:
         """A call failed because a peer left (or with a REFORM already
         waiting): leave the group now, not when the REFORM is served. gloo
         then closes this rank's connections, so a peer still waiting on it
         in a collective fails out too, instead of staying stuck until the
-        controller replaces its process (what mnb.elastic does as well)."""
+        controller replaces its process (what mnb.elastic does as well).
+
+        The group is freed only when nothing refers to it any more, and the
+        failed collective's frames (kept in the traceback, and in
+        sys.last_traceback for %monarch debug) hold it in their locals: they
+        are cleared first. (Post-mortem of a collective cut short by a
+        peer's death loses those locals; the traceback text stays.)"""
         generation = int(_context._state.get("generation", 0))
         if is_peer_loss(f"{error['type']} {error['msg']}") or self._newer_reform(generation):
+            for link in _chain(exc):
+                traceback.clear_frames(link.__traceback__)
             leave_group()
+            gc.collect()  # a group caught in a reference cycle goes now, not later
 
     def await_reform(self, timeout: float = 300.0) -> int:
         """For mnb.elastic, on the main thread inside a call: wait for the
@@ -521,6 +531,16 @@ def describe_frame(frame: Any) -> str:
         parts.append(f"{fr.f_code.co_filename} line {fr.f_lineno} in {fr.f_code.co_name}"
                      + (f": {line}" if line else ""))
     return " <- ".join(parts)
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or during."""
+    seen: list[BaseException] = []
+    link: BaseException | None = exc
+    while link is not None and link not in seen:
+        seen.append(link)
+        link = link.__cause__ or link.__context__
+    return seen
 
 
 def main() -> None:
