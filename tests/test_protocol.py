@@ -151,7 +151,7 @@ def test_round_trip_no_payload_no_meta(sender, receiver):
 
 def test_round_trip_with_payload_and_meta(separate, receiver):
     payload = [b"fn-pickle", b"", b"\x00" * 100]
-    meta = {"code": "print(1)", "name": "<cell>", "setup": True, "nested": {"a": [1, 2.5, None]}}
+    meta = {"code": "print(1)", "name": "<cell>", "setup": True}
     frames = separate.sign(Kind.EXEC, payload, call=42, meta=meta)
     assert len(frames) == 1 + len(payload)
     assert [bytes(f) for f in frames[1:]] == payload  # payload frames travel as they are
@@ -167,14 +167,14 @@ def test_small_first_payload_travels_inside_the_first_frame(sender, receiver):
     """The no-op path's layout: payload frame 0 up to INLINE_MAX is appended
     to signature + header, so a call to a cached function is one frame."""
     payload = [b"fn-pickle" * 10, b"\x00" * 100]
-    frames = sender.sign(Kind.CALL, payload, call=5, meta={"m": 1})
+    frames = sender.sign(Kind.CALL, payload, call=5, meta={"generation": 1})
     assert len(frames) == len(payload)  # frame 0 merged into the first frame
     assert bytes(frames[0]).endswith(payload[0])
     assert [bytes(f) for f in frames[1:]] == payload[1:]
     assert HEAD.unpack_from(bytes(frames[0]), SIGNATURE_BYTES)[2] == INLINE
     msg = receiver.verify(frames)
     assert [bytes(p) for p in msg.payload] == payload
-    assert (msg.call, msg.meta, msg.lengths) == (5, {"m": 1}, (90, 100))
+    assert (msg.call, msg.meta, msg.lengths) == (5, {"generation": 1}, (90, 100))
     assert len(sender.sign(Kind.CALL, [b"x"])) == 1
 
 
@@ -186,7 +186,7 @@ def test_inline_threshold(sender, receiver, size, inline):
 
 
 def test_inline_payload_byte_flips_fail_signature(sender, receiver):
-    frames = sender.sign(Kind.CALL, [b"inline-part"], meta={"m": 1})
+    frames = sender.sign(Kind.CALL, [b"inline-part"], meta={"generation": 1})
     first = bytearray(frames[0])
     for i in range(len(first) - len(b"inline-part"), len(first)):
         bad = bytearray(first)
@@ -202,7 +202,7 @@ def test_inline_payload_moved_to_a_frame_of_its_own_is_refused(sender, receiver)
     assert reason_of(receiver, [first[:-6], first[-6:]]) == "malformed"
     assert reason_of(receiver, [first[:-3], first[-3:]]) == "malformed"
     # ...and with meta in front of it, the meta is cut or the frame count is off
-    (first,) = sender.sign(Kind.CALL, [b"abcdef"], meta={"m": 1})
+    (first,) = sender.sign(Kind.CALL, [b"abcdef"], meta={"generation": 1})
     assert reason_of(receiver, [first[:-6], first[-6:]]) in ("malformed", "truncated")
     assert receiver.verify([first]).payload == [b"abcdef"]
 
@@ -239,7 +239,7 @@ def test_signature_is_hmac_sha256_over_header_then_payload(sender, receiver, siz
     """Both signing paths (one joined buffer below SMALL, frame by frame
     above) agree with the documented definition, and verify accepts them."""
     payload = [b"a" * size, b"b" * 7]
-    frames = sender.sign(Kind.CALL, payload, meta={"k": 1})
+    frames = sender.sign(Kind.CALL, payload, meta={"generation": 1})
     sig, body, rest = split(frames)
     header = header_of(body, payload)
     expected = hmac.new(KEY, header + b"".join(payload), hashlib.sha256).digest()
@@ -278,11 +278,11 @@ def test_seq_increments_per_message(sender, receiver):
 
 
 def test_header_is_not_pickled(separate):
-    _, header, _ = split(separate.sign(Kind.CALL, [b"p"], meta={"a": 1}))
+    _, header, _ = split(separate.sign(Kind.CALL, [b"p"], meta={"generation": 1}))
     assert not header.startswith(b"\x80")  # no pickle protocol opcode
     version, code, _flags, seq, call, slen, n = HEAD.unpack_from(header)
     assert (version, code, seq, call, slen, n) == (VERSION, code_of(Kind.CALL), 1, 0, 3, 1)
-    assert header.endswith(b'{"a":1}')
+    assert header.endswith(b'{"generation":1}')
 
 
 # -- tampering ----------------------------------------------------------------
@@ -290,7 +290,7 @@ def test_header_is_not_pickled(separate):
 def _tamper_positions():
     # (frame index, byte index): first, middle and last byte of the signature
     # and of the header (both in frame 0), and of each of two payload frames
-    frames = Codec(KEY, "ctl").sign(Kind.CALL, [b"first-payload", b"second"], call=7, meta={"m": 1})
+    frames = Codec(KEY, "ctl").sign(Kind.CALL, [b"first-payload", b"second"], call=7, meta={"generation": 1})
     first = len(frames[0])
     out = []
     for part, lo, hi in (("sig", 0, SIGNATURE_BYTES), ("header", SIGNATURE_BYTES, first)):
@@ -304,14 +304,14 @@ def _tamper_positions():
 
 @pytest.mark.parametrize("frame_index,byte_index", _tamper_positions())
 def test_any_flipped_byte_fails_signature(receiver, frame_index, byte_index):
-    frames = Codec(KEY, "ctl").sign(Kind.CALL, [b"first-payload", b"second"], call=7, meta={"m": 1})
+    frames = Codec(KEY, "ctl").sign(Kind.CALL, [b"first-payload", b"second"], call=7, meta={"generation": 1})
     frames = [bytearray(f) for f in frames]
     frames[frame_index][byte_index] ^= 0x01
     assert reason_of(receiver, [bytes(f) for f in frames]) == "bad-signature"
 
 
 def test_every_single_byte_of_every_frame_is_covered(receiver):
-    frames = Codec(KEY, "ctl").sign(Kind.CALL, [b"abc", b"de"], meta={"x": 0})
+    frames = Codec(KEY, "ctl").sign(Kind.CALL, [b"abc", b"de"], meta={"generation": 0})
     for fi, frame in enumerate(frames):
         for bi in range(len(frame)):
             tampered = [bytearray(f) for f in frames]
@@ -327,7 +327,7 @@ def test_tampered_large_payload(sender, receiver):
 
 
 def test_wrong_key(receiver):
-    frames = Codec(OTHER_KEY, "ctl").sign(Kind.CALL, [b"p"], meta={"m": 1})
+    frames = Codec(OTHER_KEY, "ctl").sign(Kind.CALL, [b"p"], meta={"generation": 1})
     assert reason_of(receiver, frames) == "bad-signature"
 
 
@@ -343,7 +343,7 @@ def test_wrong_key(receiver):
 def test_bad_signature_lengths(sender, receiver, make_sig):
     # The signature has no delimiter of its own: a wrong-length one shifts the
     # header boundary, and the message must still be refused.
-    good, header, _ = split(sender.sign(Kind.PING, meta={"pad": "x" * 40}))
+    good, header, _ = split(sender.sign(Kind.EXEC, meta={"code": "x" * 40}))
     assert len(header) >= MIN_FIRST  # so that even "no-sig" is long enough to get to the HMAC
     assert reason_of(receiver, join(make_sig(good), header)) == "bad-signature"
 
@@ -388,7 +388,7 @@ def test_first_frame_shorter_than_signature_plus_head_is_truncated(receiver, len
 
 
 def test_first_frame_cut_anywhere_is_refused(separate, receiver):
-    frames = separate.sign(Kind.CALL, [b"abc"], call=3, meta={"m": 1})
+    frames = separate.sign(Kind.CALL, [b"abc"], call=3, meta={"generation": 1})
     first = bytes(frames[0])
     for cut in range(len(first)):
         want = "truncated" if cut < MIN_FIRST else "bad-signature"
@@ -407,7 +407,7 @@ def test_first_frame_of_exactly_minimum_length_is_accepted(receiver):
 def test_old_layout_is_refused(separate, receiver):
     # A correctly signed message in the previous layout [signature, header, *payload]
     # (a peer on the old wire format) is never accepted.
-    sig, header, payload = split(separate.sign(Kind.CALL, [b"p"], meta={"m": 1}))
+    sig, header, payload = split(separate.sign(Kind.CALL, [b"p"], meta={"generation": 1}))
     assert reason_of(receiver, [sig, header, *payload]) == "truncated"
 
 
@@ -452,9 +452,9 @@ def test_moved_header_payload_boundary_is_refused(separate, receiver):
     # header bytes moved into the payload (the lengths are cut short)
     assert reason_of(receiver, [first[:-1], first[-1:] + a, b]) == "malformed"
     assert reason_of(receiver, [first[:-16], first[-16:] + a, b]) == "malformed"
-    first, a = separate.sign(Kind.CALL, [b"aaaa"], meta={"m": 1})
+    first, a = separate.sign(Kind.CALL, [b"aaaa"], meta={"generation": 1})
     assert reason_of(receiver, [first[:-1], first[-1:] + a]) == "malformed"
-    assert reason_of(receiver, [first[:-7], first[-7:] + a]) == "truncated"  # whole meta moved
+    assert reason_of(receiver, [first[:-16], first[-16:] + a]) == "truncated"  # whole meta moved
 
 
 def test_shortened_payload_frame_fails_signature(separate, receiver):
@@ -488,22 +488,22 @@ def test_oversized_checked_before_signature():
 
 
 def test_header_too_large(receiver):
-    header = raw_header(meta=json.dumps({"pad": "x" * MAX_HEADER_BYTES}).encode())
+    header = raw_header(code=1, meta=json.dumps({"code": "x" * MAX_HEADER_BYTES}).encode())
     assert len(header) > MAX_HEADER_BYTES
     assert reason_of(receiver, forge(header)) == "oversized"
     # by one byte
-    base = raw_header(meta=b'{"pad":""}')
-    header = raw_header(meta=b'{"pad":"' + b"x" * (MAX_HEADER_BYTES - len(base) + 1) + b'"}')
+    base = raw_header(code=1, meta=b'{"code":""}')
+    header = raw_header(code=1, meta=b'{"code":"' + b"x" * (MAX_HEADER_BYTES - len(base) + 1) + b'"}')
     assert len(header) == MAX_HEADER_BYTES + 1
     assert reason_of(receiver, forge(header)) == "oversized"
 
 
 def test_header_at_limit_is_accepted(receiver):
-    base = raw_header(meta=b'{"pad":""}')
+    base = raw_header(code=1, meta=b'{"code":""}')
     pad = MAX_HEADER_BYTES - len(base)
-    header = raw_header(meta=b'{"pad":"' + b"x" * pad + b'"}')
+    header = raw_header(code=1, meta=b'{"code":"' + b"x" * pad + b'"}')
     assert len(header) == MAX_HEADER_BYTES
-    assert len(receiver.verify(forge(header)).meta["pad"]) == pad
+    assert len(receiver.verify(forge(header)).meta["code"]) == pad
 
 
 def test_too_many_frames(separate, receiver):
@@ -577,7 +577,7 @@ def test_forged_header_with_valid_layout_is_accepted(receiver):
 # -- replay -------------------------------------------------------------------
 
 def test_same_frames_twice_is_replay(sender, receiver):
-    frames = sender.sign(Kind.CALL, [b"p"], meta={"a": 1})
+    frames = sender.sign(Kind.CALL, [b"p"], meta={"generation": 1})
     receiver.verify(frames)
     with pytest.raises(ProtocolError) as info:
         receiver.verify(frames)
@@ -617,11 +617,11 @@ def test_forget_drops_the_window(sender, receiver):
 
 
 def test_sign_once_send_to_many(sender):
-    frames = sender.sign(Kind.CALL, [b"fn", b"x" * (SMALL + 1)], call=5, meta={"m": [1]})
+    frames = sender.sign(Kind.CALL, [b"fn", b"x" * (SMALL + 1)], call=5, meta={"generation": 1})
     receivers = [Codec(KEY, f"rank{i}") for i in range(4)]
     for r in receivers:
         msg = r.verify(list(frames))
-        assert (msg.kind, msg.header.seq, msg.header.call, msg.meta) == (Kind.CALL, 1, 5, {"m": [1]})
+        assert (msg.kind, msg.header.seq, msg.header.call, msg.meta) == (Kind.CALL, 1, 5, {"generation": 1})
         assert [bytes(p) for p in msg.payload] == [b"fn", b"x" * (SMALL + 1)]
     for r in receivers:  # each still refuses a second copy
         assert reason_of(r, frames) == "replay"
@@ -685,7 +685,7 @@ def test_signature_and_framing_are_checked_before_sender(receiver):
     (lambda s: forge(raw_header(meta=b"[]")), "malformed"),
     (lambda s: forge(raw_header(version=VERSION + 1)), "version"),
     (lambda s: forge(raw_header(lengths=(3,)), [b"ab"]), "truncated"),
-    (lambda s: forge(raw_header(meta=b'{"p":"' + b"x" * MAX_HEADER_BYTES + b'"}')), "oversized"),
+    (lambda s: forge(raw_header(code=1, meta=b'{"code":"' + b"x" * MAX_HEADER_BYTES + b'"}')), "oversized"),
     (lambda s: [b"\x00" * 32 + b"h" * 64] + [b""] * MAX_FRAMES, "oversized"),
     (lambda s: [b"\x00" * (SIGNATURE_BYTES + HEAD.size - 1)], "truncated"),
 ])
@@ -835,3 +835,27 @@ def test_window_memory_is_bounded_and_still_rejects_replays():
 
 def test_window_default_size():
     assert ReplayWindow().size == REPLAY_WINDOW
+
+
+def test_every_kind_has_its_meta_written_down_and_signing_holds_to_it(separate):
+    from monarch_nb.wire.protocol import META
+
+    # a kind without a schema carries no meta; every schema field has JSON types
+    assert set(META) <= set(Kind)
+    with pytest.raises(ValueError, match="call meta has no field 'typo'"):
+        separate.sign(Kind.CALL, [b"p"], meta={"typo": 1})
+    with pytest.raises(ValueError, match="'generation' must be int, not str"):
+        separate.sign(Kind.REFORM, meta={"generation": "1", "port": 2})
+    with pytest.raises(ValueError, match="must be int, not bool"):
+        separate.sign(Kind.OUTPUT, meta={"n": True})
+    with pytest.raises(ValueError, match="stop meta has no field"):
+        separate.sign(Kind.STOP, meta={"now": True})
+
+
+def test_a_signed_meta_outside_the_schema_is_dropped_as_malformed(receiver):
+    # signed with the right key (a key holder, or a newer sender): still dropped
+    wrong_type = forge(raw_header(code=list(Kind).index(Kind.REFORM),
+                                  meta=b'{"generation":"x","port":1}'))
+    assert reason_of(receiver, wrong_type) == "malformed"
+    unknown = forge(raw_header(code=list(Kind).index(Kind.RESULT), seq=2, meta=b'{"evil":1}'))
+    assert reason_of(receiver, unknown) == "malformed"

@@ -64,28 +64,90 @@ Buffer = bytes | bytearray | memoryview
 
 
 class Kind(str, enum.Enum):
-    """Message kinds. Controller -> rank first, then rank -> controller."""
+    """Message kinds. Controller -> rank first, then rank -> controller.
+    What each kind's meta holds is :data:`META` (the one schema)."""
 
-    CALL = "call"  # run a pickled function (payload: fn, args, kwargs)
-    EXEC = "exec"  # run cell code (meta: code, name, setup)
+    CALL = "call"  # run a pickled function (payload: fn, args, kwargs; meta: elastic, generation)
+    EXEC = "exec"  # run cell code (meta: code, name, setup, elastic, generation)
     INTERRUPT = "interrupt"  # raise KeyboardInterrupt in the main thread for call c
     PING = "ping"  # controller liveness; ranks exit when pings stop
     STOP = "stop"  # leave cleanly
     STACKS = "stacks"  # return every thread's stack
 
     HELLO = "hello"  # rank process is up (meta: pid, incarnation, host)
-    READY = "ready"  # rank joined torch.distributed (meta: device, backend)
-    FAILED_START = "failed_start"  # rank could not start (meta: error text)
-    RESULT = "result"  # call c finished (meta: ok, n_out; payload: value or error)
-    OUTPUT = "output"  # stdout/stderr text of call c (meta: chunk no., streams)
-    HEARTBEAT = "heartbeat"  # control thread alive (meta: state, busy call)
+    READY = "ready"  # rank joined torch.distributed (meta: device, pid)
+    FAILED_START = "failed_start"  # rank could not start (meta: error, tb)
+    RESULT = "result"  # call c finished (meta: ok, error, n_out, n_m, o; payload: output?, value)
+    OUTPUT = "output"  # stdout/stderr text of call c (meta: n, the chunk no.; payload: JSON)
+    HEARTBEAT = "heartbeat"  # control thread alive (meta: busy call, h: health figures)
     INTERRUPTED = "interrupted"  # answer to INTERRUPT (meta: where the main thread was)
-    STACKS_REPLY = "stacks_reply"
+    STACKS_REPLY = "stacks_reply"  # answer to STACKS (meta: threads, busy)
     REFORM = "reform"  # leave the group, join generation g on a new port (meta: generation, port)
-    REFORMED = "reformed"  # answer to REFORM (meta: generation, error)
-    METRICS = "metrics"  # batched mnb.log points (payload: JSON [[step, t, {name: value}], ...])
+    REFORMED = "reformed"  # answer to REFORM (meta: generation, joining or error)
+    METRICS = "metrics"  # batched mnb.log points (meta: n; payload: metricframes JSON)
     INPUT = "input"  # a line typed for a rank's debugger (meta: text)
-    PROMPT = "prompt"  # a rank's debugger waits for a line (meta: prompt, text before it)
+    PROMPT = "prompt"  # a rank's debugger waits for a line (meta: prompt)
+
+
+# What each kind's meta may hold, and of what JSON type: the one place the
+# wire's metadata is written down. ``sign`` refuses a key that is not here
+# (a sender drifting from the schema fails at once, in its own process);
+# ``verify`` drops a message whose meta does not match it ("malformed"),
+# before anything else reads it. A kind not listed carries no meta.
+_S, _I, _B, _D, _L = (str,), (int,), (bool,), (dict,), (list,)
+_OPT_I = (int, type(None))
+META: dict[Kind, dict[str, tuple[type, ...]]] = {
+    # generation: the group the call started in
+    Kind.CALL: {"elastic": _B, "generation": _I},
+    Kind.EXEC: {"code": _S, "name": _S, "setup": _B, "elastic": _B, "generation": _I},
+    Kind.HELLO: {"pid": _I, "incarnation": _I, "host": _S},
+    Kind.READY: {"device": _S, "pid": _I},
+    Kind.FAILED_START: {"error": _S, "tb": _S},
+    # RESULT: ok (default true), error {type, msg, tb} when not ok, n_out / n_m:
+    # OUTPUT chunks / METRICS batches sent before it on the control socket,
+    # o: payload frame 0 is the last output (JSON), then the value
+    Kind.RESULT: {"ok": _B, "error": _D, "n_out": _I, "n_m": _I, "o": _I},
+    Kind.OUTPUT: {"n": _I},  # chunk number within the call, -1: uncounted
+    Kind.METRICS: {"n": _I},  # batch number within the call, -1: uncounted
+    Kind.HEARTBEAT: {"busy": _I, "h": _D},  # busy: the call running (0: idle); h: health
+    Kind.INTERRUPTED: {"where": _S},
+    Kind.STACKS_REPLY: {"threads": _L, "busy": _I},
+    Kind.REFORM: {"generation": _I, "port": _I},
+    Kind.REFORMED: {"generation": _I, "joining": _B, "error": _S},
+    Kind.INPUT: {"text": _S},
+    Kind.PROMPT: {"prompt": _S},
+}
+
+
+def check_meta(kind: Kind, meta: dict[str, Any]) -> None:
+    """Raise ValueError unless ``meta`` fits ``kind``'s schema (:data:`META`)."""
+    schema = META.get(kind, {})
+    for key, value in meta.items():
+        types = schema.get(key)
+        if types is None:
+            raise ValueError(f"{kind.value} meta has no field {key!r} "
+                             f"(wire/protocol.py META: {sorted(schema)})")
+        if not isinstance(value, types) or (types is _I and isinstance(value, bool)):
+            raise ValueError(f"{kind.value} meta {key!r} must be {types[0].__name__}, "
+                             f"not {type(value).__name__}")
+
+
+def encode_meta(kind: Kind, meta: dict[str, Any] | None) -> bytes:
+    """The meta part of a header: checked against the schema, compact JSON."""
+    if not meta:
+        return b""
+    check_meta(kind, meta)
+    return json.dumps(meta, separators=(",", ":")).encode()
+
+
+def decode_meta(kind: Kind, raw: bytes) -> dict[str, Any]:
+    """The meta of a verified header; ValueError/TypeError unless it is a
+    JSON object that fits ``kind``'s schema."""
+    meta = json.loads(raw)
+    if type(meta) is not dict:
+        raise TypeError("meta is not an object")
+    check_meta(kind, meta)
+    return meta
 
 
 _CODES = {k: i for i, k in enumerate(Kind)}
@@ -212,7 +274,7 @@ class Codec:
         """Frames ready to send: ``[signature + header + payload[0], *payload[1:]]``
         when ``payload[0]`` is small (``INLINE``), else ``[signature + header, *payload]``."""
         seq = next(self._seq)
-        extra = json.dumps(meta, separators=(",", ":")).encode() if meta else b""
+        extra = encode_meta(kind, meta) if meta else b""
         if not payload:
             header = self._pack_own(VERSION, _CODES[kind], 0, seq, call, self._sender_len, 0,
                                     self._sender_b)
@@ -310,15 +372,13 @@ class Codec:
                 if not nframes or lengths[0] > INLINE_MAX or end - lengths[0] < pos:
                     raise ValueError("inline payload does not fit the first frame")
                 end -= lengths[0]
+            kind = _BY_CODE[code]
             if end > pos:
                 if end > MAX_HEADER_BYTES:
                     raise ProtocolError("oversized", "header")
-                meta = json.loads(body[pos:end])
-                if type(meta) is not dict:
-                    raise TypeError("meta is not an object")
+                meta = decode_meta(kind, body[pos:end])
             else:
                 meta = {}
-            kind = _BY_CODE[code]
         except ProtocolError:
             raise
         except Exception as exc:  # RecursionError from nested JSON included
