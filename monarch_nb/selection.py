@@ -34,11 +34,15 @@ def parse_ranks(spec: str | int | Iterable[int] | slice | None, world_size: int)
     if isinstance(spec, slice):
         if spec.step == 0:
             raise SpecError(f"rank spec {spec!r}: a step of 0 selects nothing; {_HELP}")
-        return _check(tuple(range(world_size))[spec], world_size, repr(spec), allow_empty=False)
+        try:
+            chosen_by_slice = tuple(range(world_size))[spec]
+        except TypeError:  # slice("a"), slice(0, 1.5): not rank numbers
+            raise SpecError(f"rank spec {spec!r} is not valid; {_HELP}") from None
+        return _check(chosen_by_slice, world_size, repr(spec), allow_empty=False)
     if not isinstance(spec, str):
         try:
             listed = tuple(int(r) for r in spec)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: int(float("inf"))
             raise SpecError(f"rank spec {spec!r} is not valid; {_HELP}") from None
         return _check(listed, world_size, repr(spec))
 
@@ -74,6 +78,11 @@ def _parse_part(part: str, world_size: int, spec: str) -> list[int]:
             lo, hi = int(lo_s), int(hi_s)
             if hi < lo:
                 raise SpecError(f"rank spec {spec!r}: range {part} runs backwards; write {hi}-{lo}")
+            if lo < 0 or hi >= world_size:
+                # say which ranks are missing without listing them: "0-99999999999"
+                # must not build a list of a hundred billion ranks first
+                bad = [(a, b) for a, b in ((lo, min(hi, -1)), (max(lo, world_size), hi)) if a <= b]
+                raise SpecError(_missing(",".join(_span(a, b) for a, b in bad), world_size))
             return list(range(lo, hi + 1))
         return [int(part)]
     except SpecError:
@@ -85,15 +94,16 @@ def _parse_part(part: str, world_size: int, spec: str) -> list[int]:
 def _check(ranks: tuple[int, ...], world_size: int, spec: str, allow_empty: bool = False) -> tuple[int, ...]:
     bad = sorted({r for r in ranks if r < 0 or r >= world_size})
     if bad:
-        raise SpecError(
-            f"rank {format_ranks(bad)} does not exist: this mesh has ranks 0-{world_size - 1}"
-            if world_size > 1
-            else f"rank {format_ranks(bad)} does not exist: this mesh has only rank 0"
-        )
+        raise SpecError(_missing(format_ranks(bad), world_size))
     out = tuple(sorted(set(ranks)))
     if not out and not allow_empty:
         raise SpecError(f"rank spec {spec} selects no rank; {_HELP}")
     return out
+
+
+def _missing(ranks: str, world_size: int) -> str:
+    return (f"rank {ranks} does not exist: this mesh has ranks 0-{world_size - 1}"
+            if world_size > 1 else f"rank {ranks} does not exist: this mesh has only rank 0")
 
 
 def format_ranks(ranks: Iterable[int]) -> str:

@@ -188,8 +188,15 @@ class Hub:
             self._wake.clear()
 
     # -- requests from the front end ---------------------------------------------
-    def _on_msg(self, comm: Any, msg: dict[str, Any]) -> None:
-        data = msg.get("content", {}).get("data", {}) or {}
+    def _on_msg(self, comm: Any, msg: Any) -> None:
+        # Anything may arrive here (any page or client on the kernel can send
+        # a comm message): a malformed one gets an error reply, never raises.
+        content = msg.get("content") if isinstance(msg, dict) else None
+        data = content.get("data") if isinstance(content, dict) else None
+        if not isinstance(data, dict):
+            self._send({"t": "error", "text": "malformed request: expected {\"action\": ...}"},
+                       to=[comm])
+            return
         action = data.get("action")
         reply: dict[str, Any]
         try:
@@ -203,6 +210,10 @@ class Hub:
                 reply = {"t": "stacks", "text": mesh.stacks().render()}
             elif action == "restart":
                 rank = data.get("rank")
+                # the panel sends one rank number; anything else (no rank,
+                # "all", a list) must not restart ranks by accident
+                if isinstance(rank, bool) or not isinstance(rank, int):
+                    raise ValueError(f"restart needs a rank number, not {rank!r}")
                 mesh.restart(rank)
                 reply = {"t": "ack", "text": f"restarting rank {rank}"}
                 self._force = True

@@ -31,7 +31,7 @@ def decode(frame: Any) -> list[Point]:
     """Points of a verified METRICS frame; malformed entries are skipped."""
     try:
         items = json.loads(bytes(frame))
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):  # RecursionError: "[[[[..." nested deep
         return []
     points: list[Point] = []
     if not isinstance(items, list):
@@ -40,6 +40,7 @@ def decode(frame: Any) -> list[Point]:
         try:
             step, t, metrics = item
             points.append((int(step), float(t), {str(k): float(v) for k, v in metrics.items()}))
-        except (TypeError, ValueError, AttributeError):
+        except (TypeError, ValueError, AttributeError, OverflowError):
+            # OverflowError: a step of 1e999 (int(inf)) or a 400-digit value (float())
             continue
     return points
