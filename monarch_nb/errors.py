@@ -92,6 +92,7 @@ class RankDied(MonarchError):
     last_lines: tuple[str, ...] = ()
     incarnation: int = 0
     silent_for: float | None = None  # set when killed for missing heartbeats
+    frozen: str = ""  # what the OS said of it then ("stopped by a signal")
 
     def __post_init__(self) -> None:
         Exception.__init__(self, self.rank, self.exitcode, self.signal_name)
@@ -99,8 +100,8 @@ class RankDied(MonarchError):
     @property
     def cause(self) -> str:
         if self.silent_for is not None:
-            return (f"no heartbeat for {self.silent_for:.1f} s (frozen or hung host); "
-                    "the controller killed it")
+            why = self.frozen or "frozen or hung host"
+            return f"no heartbeat for {self.silent_for:.1f} s ({why}); the controller killed it"
         if self.signal_name:
             return f"killed by {self.signal_name}"
         if self.exitcode is not None:
@@ -109,7 +110,7 @@ class RankDied(MonarchError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (RankDied, (self.rank, self.exitcode, self.signal_name, self.last_lines,
-                           self.incarnation, self.silent_for))
+                           self.incarnation, self.silent_for, self.frozen))
 
     def __str__(self) -> str:
         text = f"rank {self.rank} died ({self.cause})"

@@ -336,6 +336,9 @@ class Mesh(_RankSet):
                 **health_fields(info.health),
                 "steps_per_s": store.steps_per_s(info.rank, now), "step": store.last_step(info.rank),
                 "last": store.last(info.rank),
+                # silent but running: holding the GIL or in native code (not killed)
+                "note": "no heartbeat: busy holding the GIL or in native code"
+                if info.busy_silent else "",
             })
         return rows
 

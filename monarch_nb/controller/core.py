@@ -41,6 +41,7 @@ from ..wire import serialize
 from ..wire.metricframes import decode as decode_metrics
 from ..wire.protocol import Codec, Kind, Message, new_key
 from ..wire.transport import CurveKeys, IOLoop
+from . import liveness
 from .calls import Caller
 from .calltable import CallTable, PendingCall
 from .events import Event, EventKind
@@ -85,6 +86,7 @@ class Controller:
             max_message_bytes=cfg.max_message_bytes, launcher=launcher or LocalLauncher(),
         )
         self.ranks = RankTable(world_size)
+        self.liveness = liveness.Liveness(cfg.heartbeat_timeout)
         self.calls = CallTable()
         self.metrics = MetricsStore(world_size)  # mnb.log series (metricstore.py)
         self.default_output: CallOutput | None = None  # for output outside calls
@@ -382,15 +384,8 @@ class Controller:
                 self.recovery.on_exit(info.rank)
                 self._notify()
                 continue
-            silent = now - info.last_heartbeat
-            if (info.state in LIVE and info.silent_for is None
-                    and silent > self.cfg.heartbeat_timeout):
-                # Frozen: its control thread would answer even if user code
-                # were stuck. Kill it so its exit is reported like any death
-                # (and so survivors blocked in a collective with it get
-                # an error instead of waiting for the group timeout).
-                info.silent_for = silent
-                self.supervisor.signal(info.rank, signal_mod.SIGKILL)
+            if info.state in LIVE and info.silent_for is None:
+                self._judge_liveness(info, proc.pid, now)
         self.inspector.tick(now)
         self.recovery.tick(now)
         if now - self._last_ping >= self.cfg.heartbeat_interval:
@@ -407,6 +402,26 @@ class Controller:
             self.default_output.flush(now=now)
             pending = pending or self.default_output.pending
         return 0.03 if pending else min(0.25, self.cfg.heartbeat_interval)
+
+    def _judge_liveness(self, info: RankInfo, pid: int, now: float) -> None:
+        """Kill a frozen rank so its exit is reported like any death (and so
+        survivors blocked in a collective with it get an error instead of
+        waiting for the group timeout); note one that is only busy holding
+        the GIL (liveness.py)."""
+        silent = now - info.last_heartbeat
+        state = None if self.supervisor.launcher.remote else liveness.os_state(pid)
+        verdict = self.liveness.judge(info.rank, silent, state, now)
+        if verdict is liveness.Verdict.FROZEN:
+            info.silent_for = silent
+            info.frozen = "stopped by a signal" if state == "T" else ""
+            self.supervisor.signal(info.rank, signal_mod.SIGKILL)
+        elif verdict is liveness.Verdict.BUSY and not info.busy_silent:
+            info.busy_silent = True
+            self.ranks.record(info.rank, EventKind.BUSY_SILENT,
+                              f"no heartbeat for {silent:.1f} s, but running: busy holding "
+                              "the GIL or in native code (not killed)")
+        elif verdict is liveness.Verdict.ALIVE and info.busy_silent:
+            info.busy_silent = False
 
     # -- helpers ---------------------------------------------------------------------------
     def _recovering(self, rank: int) -> bool:

@@ -20,6 +20,7 @@ class EventKind(str, enum.Enum):
     RESPAWNED = "respawned"  # a new process joins a new generation
     REPLACED = "replaced"  # a live process was replaced (stuck after a group change)
     GAVE_UP = "gave_up"  # restart budget spent
+    BUSY_SILENT = "busy_silent"  # no heartbeat, but running: holding the GIL (not killed)
     REFORMED = "reformed"  # the mesh formed a new group (rank -1)
     REFORM_FAILED = "reform_failed"  # a member could not join it
     SETUP_FAILED = "setup_failed"  # replaying a --setup cell failed on a new process

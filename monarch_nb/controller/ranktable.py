@@ -37,6 +37,8 @@ class RankInfo:
     last_heartbeat: float = 0.0
     exitcode: int | None = None
     silent_for: float | None = None  # killed by us for missing heartbeats
+    frozen: str = ""  # what the OS said when we killed it ("stopped by a signal")
+    busy_silent: bool = False  # silent but running (holding the GIL): liveness.py
     start_error: str = ""
     started_at: float = field(default_factory=time.monotonic)
     ready_at: float | None = None
@@ -86,6 +88,8 @@ class RankTable:
         self._by_ident[info.main_id] = info
         self._by_ident[info.ctl_id] = info
         info.silent_for = None
+        info.frozen = ""
+        info.busy_silent = False
         info.exitcode = None
         info.health = {}
         info.start_error = ""

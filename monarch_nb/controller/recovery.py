@@ -112,7 +112,7 @@ class Recovery:
     def died_error(self, info: RankInfo) -> RankDied:
         return RankDied(info.rank, info.exitcode if (info.exitcode or 0) >= 0 else None,
                         signal_name(info.exitcode), tuple(self.supervisor.tail(info.rank, 8)),
-                        info.incarnation, info.silent_for)
+                        info.incarnation, info.silent_for, info.frozen)
 
     # -- events -------------------------------------------------------------------
     def on_exit(self, rank: int, proc: RankProcess | None = None) -> None:
@@ -131,6 +131,8 @@ class Recovery:
         detail = describe_exit(code)
         if info.silent_for is not None:
             detail = f"no heartbeat for {info.silent_for:.1f} s, killed"
+            if info.frozen:
+                detail = f"{info.frozen}; {detail}"
         self.ranks.record(rank, EventKind.FAILED_START if was_starting else EventKind.DIED, detail)
         died = self.died_error(info)
         if self.stopped or was_starting:

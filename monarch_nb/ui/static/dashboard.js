@@ -34,6 +34,7 @@ const CSS = `
   background: var(--jp-layout-color0, #fff); }
 .mnb-events { max-height: 110px; overflow-y: auto; margin-top: 6px; font-family: monospace; font-size: 11px; }
 .mnb-ev-died, .mnb-ev-gave_up, .mnb-ev-failed_start { color: #c62828; }
+.mnb-ev-busy_silent { color: #ef6c00; }
 .mnb-ev-respawned, .mnb-ev-ready { color: #2e7d32; }
 `;
 
