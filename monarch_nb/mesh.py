@@ -27,7 +27,7 @@ from typing import Any
 
 from . import backends
 from .config import MeshConfig, check_hang_timeout
-from .controller import launchers
+from .controller import launchers, limits
 from .controller.core import Controller, Event, RankInfo, RankState
 from .controller.inspector import STACKS_TIMEOUT_S
 from .controller.metricstore import MetricsStore, health_fields
@@ -211,7 +211,11 @@ class Mesh(_RankSet):
         if not spawner.remote and info.devices and world > len(info.devices):
             raise UsageError(f"-n {world} asks for more ranks than the {len(info.devices)} visible "
                              f"GPU(s); use -n {len(info.devices)} or --backend cpu")
+        limits.ensure_open_files(world)  # before the first socket: ranks inherit it
         ctl = Controller(cfg, info, world, spawner)
+        notice = limits.log_space_notice(ctl.supervisor.log_dir)
+        if notice:
+            print(notice, file=sys.stderr)
         try:
             ctl.start(progress)
         except BaseException:
