@@ -21,7 +21,7 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -47,6 +47,7 @@ class Hosts:
     addrs: list[str]
     bridge: str
     bridge_addr: str
+    links: list[str] = field(default_factory=list)  # namespace i's veth end on the bridge
 
 
 _netns_count = itertools.count()
@@ -77,7 +78,8 @@ def _netns_hosts(count: int) -> Iterator[Hosts]:
     subnet = f"10.{200 + (os.getpid() + n) % 50}.{os.getpid() % 250}"
     bridge = f"{tag}br"
     names = [f"{tag}ns{i}" for i in range(count)]
-    hosts = Hosts(names, [f"{subnet}.{11 + i}" for i in range(count)], bridge, f"{subnet}.1")
+    hosts = Hosts(names, [f"{subnet}.{11 + i}" for i in range(count)], bridge, f"{subnet}.1",
+                  [f"{tag}x{i}" for i in range(count)])
     made_ns: list[str] = []
     made_links: list[str] = []
     try:

@@ -24,6 +24,7 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from .engines import Hosts, capture, netns_hosts
@@ -148,3 +149,69 @@ def test_peer_without_keys_is_refused_and_executes_nothing(hosts: Hosts, tmp_pat
     assert set(out["dropped"]) == {"curve-refused"}  # nothing reached the signature check
     assert out["executed"] is False
     assert out["after"] == {"0": "ok", "1": "ok"}
+
+
+LOST = """
+    import json, sys, time
+    import psutil
+    from monarch_nb import Mesh
+    import os
+
+    hosts, master, bind = sys.argv[1:4]
+    os.environ["MONARCH_NB_SSH"] = "ip netns exec {host} sh -c"
+    mesh = Mesh.start(n=2, backend="cpu", launcher="ssh", hosts=hosts, bind=bind,
+                      master_addr=master, start_timeout=90, respawn="off",
+                      controller_timeout=3.0)
+    pids = mesh.run(os.getpid)
+    print("READY " + json.dumps(dict(pids)), flush=True)
+    sys.stdin.readline()  # the test cut this namespace's link
+    t0 = time.monotonic()
+    gone = {}
+    while len(gone) < 2 and time.monotonic() - t0 < 60:
+        for r, pid in pids.items():
+            if r not in gone and not psutil.pid_exists(pid):
+                gone[r] = round(time.monotonic() - t0, 1)
+        time.sleep(0.1)
+    logs = {r: mesh.logs(r) for r in pids}
+    mesh.stop()
+    print("RESULT " + json.dumps({"gone": gone, "logs": logs}), flush=True)
+"""
+
+
+def test_ranks_exit_when_their_controller_vanishes(hosts: Hosts, tmp_path: Path) -> None:
+    """The controller's host drops off the network without closing anything
+    (its link goes down): the ranks on the other hosts hear no ping, exit
+    within their controller timeout and say so in their logs."""
+    driver = tmp_path / "lost.py"
+    driver.write_text(textwrap.dedent(LOST))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", hosts.names[0], sys.executable, str(driver),
+         f"{hosts.names[1]},{hosts.names[2]}", hosts.addrs[1], hosts.addrs[0]],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    link_down = False
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        line = ""
+        for line in proc.stdout:
+            if line.startswith("READY "):
+                break
+        assert line.startswith("READY "), "the mesh did not start"
+        pids = {int(r): p for r, p in json.loads(line[len("READY "):]).items()}
+        subprocess.run(["ip", "link", "set", hosts.links[0], "down"], check=True)
+        link_down = True
+        proc.stdin.write("cut\n")
+        proc.stdin.flush()
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if link_down:
+            subprocess.run(["ip", "link", "set", hosts.links[0], "up"], check=False)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    result = json.loads([x for x in out.splitlines() if x.startswith("RESULT ")][-1][7:])
+    assert sorted(result["gone"]) == ["0", "1"], result  # both exited on their own
+    for r in ("0", "1"):
+        assert any("controller silent for 3 s, exiting" in ln for ln in result["logs"][r]), \
+            result["logs"][r]
+    assert not [p for p in pids.values() if psutil.pid_exists(p)]
