@@ -77,7 +77,8 @@ def test_peer_without_the_keys_is_refused_and_executes_nothing(curve_mesh: Mesh,
         ident = ctl.ranks[0].main_id
         marker = os.path.join(str(tmp_path), "pwned")
         frames = Codec(ctl.key, ident.decode()).sign(
-            Kind.RESULT, [], call=999, meta={"code": f"open({marker!r}, 'w')"})
+            Kind.RESULT, [], call=999,
+            meta={"ok": False, "error": {"type": "x", "msg": f"open({marker!r}, 'w')"}})
         before = ctl.io.dropped["curve-refused"]
         plain = _attacker(ctx, ctl.io.endpoint, None, ctl.key, ident)
         keyed = _attacker(ctx, ctl.io.endpoint, (ctl.curve.server_public, own_pub, own_sec),
