@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from monarch_nb import Mesh, config
+from monarch_nb import Mesh, backends, config
 from monarch_nb.controller.launchers import (
     SlurmLauncher,
     SshLauncher,
@@ -24,6 +24,7 @@ from monarch_nb.controller.launchers import (
     rank_spec,
     world_and_per_node,
 )
+from monarch_nb.controller.supervisor import Supervisor
 from monarch_nb.errors import UsageError
 
 from .conftest import wait_for
@@ -57,6 +58,25 @@ def test_remote_commands_carry_no_secret() -> None:
     spec = json.loads(rank_spec(env))["env"]
     assert spec[config.ENV_KEY] == "ab" * 32 and spec["RANK"] == "1"
     assert "HOME" not in spec and config.ENV_PARENT_PID not in spec  # only what a rank needs
+
+
+def test_remote_ranks_get_torchruns_environment_too() -> None:
+    # what supervisor.env_for sets for a local rank reaches a remote one
+    sup = Supervisor(world_size=2, backend=backends.resolve("cpu"), controller_endpoint="tcp://x:1",
+                     key=b"k" * 32, mesh_id="m", master_port=1, restart_budget=7,
+                     launcher=SshLauncher(["h1", "h2"], 1, "10.0.0.1"))
+    try:
+        env = sup.env_for(1, 2, "ident")
+        spec = json.loads(rank_spec(env))["env"]
+        for var in ("ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "GROUP_RANK",
+                    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+                    "TORCHELASTIC_RUN_ID"):
+            assert spec[var] == env[var], var
+        assert (spec["ROLE_RANK"], spec["GROUP_RANK"], spec["TORCHELASTIC_RESTART_COUNT"],
+                spec["TORCHELASTIC_MAX_RESTARTS"]) == ("1", "1", "2", "7")
+    finally:
+        sup.spawner.stop()
+        sup.cleanup_logs()
 
 
 def test_ssh_needs_hosts_and_local_has_one_node() -> None:

@@ -84,6 +84,7 @@ class Controller:
             controller_timeout=cfg.controller_timeout,
             extra_env={**dict(cfg.extra_env), **(self.curve.rank_env() if self.curve else {})},
             max_message_bytes=cfg.max_message_bytes, launcher=launcher or LocalLauncher(),
+            restart_budget=cfg.restart_budget,
         )
         self.ranks = RankTable(world_size)
         self.liveness = liveness.Liveness(cfg.heartbeat_timeout)

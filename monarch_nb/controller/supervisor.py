@@ -63,6 +63,7 @@ class Supervisor:
     generation: int = 0
     controller_timeout: float = 10.0
     max_message_bytes: int = 4 << 30
+    restart_budget: int = config.MeshConfig.restart_budget  # torchrun's TORCHELASTIC_MAX_RESTARTS
     extra_env: dict[str, str] = field(default_factory=dict)
     launcher: Launcher = field(default_factory=LocalLauncher)
     spawner: Spawner = field(default_factory=Spawner)  # forks every process
@@ -98,7 +99,7 @@ class Supervisor:
             "ROLE_WORLD_SIZE": str(self.world_size),
             "GROUP_WORLD_SIZE": str(-(-self.world_size // max(1, place.local_world_size))),
             "TORCHELASTIC_RESTART_COUNT": str(incarnation),
-            "TORCHELASTIC_MAX_RESTARTS": str(config.MeshConfig.restart_budget),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.restart_budget),
             "TORCHELASTIC_RUN_ID": self.mesh_id,
             "TORCHELASTIC_USE_AGENT_STORE": "False",
             "TORCHELASTIC_ERROR_FILE": os.path.join(self.log_dir,
