@@ -156,6 +156,20 @@ def collective_hint(where: Mapping[int, str]) -> str:
             "--setup cells are replayed).")
 
 
+def no_free_port(what: str) -> UsageError:
+    """Binding ``what`` to a port the kernel picks failed: every port of the
+    local port range is in use (or the range is tiny)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = f.read().split()
+        span = f"the local port range ({lo}-{hi}, net.ipv4.ip_local_port_range)"
+    except (OSError, ValueError):
+        span = "the local port range"
+    return UsageError(f"no free port for {what}: every port of {span} is in use; close what "
+                      "holds them, or widen the range (sysctl -w "
+                      "net.ipv4.ip_local_port_range=\"32768 60999\")")
+
+
 class CallTimeout(MonarchError):
     """A call did not finish within its timeout; the ranks still running were
     interrupted. ``where`` maps each of them to where its main thread was."""
