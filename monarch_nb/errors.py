@@ -92,6 +92,7 @@ class RankDied(MonarchError):
     last_lines: tuple[str, ...] = ()
     incarnation: int = 0
     silent_for: float | None = None  # set when killed for missing heartbeats
+    cause_hint: str = ""  # why, when the controller could tell (controller/deathcause.py)
 
     def __post_init__(self) -> None:
         Exception.__init__(self, self.rank, self.exitcode, self.signal_name)
@@ -109,10 +110,12 @@ class RankDied(MonarchError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (RankDied, (self.rank, self.exitcode, self.signal_name, self.last_lines,
-                           self.incarnation, self.silent_for))
+                           self.incarnation, self.silent_for, self.cause_hint))
 
     def __str__(self) -> str:
         text = f"rank {self.rank} died ({self.cause})"
+        if self.cause_hint:
+            text += f": {self.cause_hint}"
         if self.last_lines:
             tail = "\n".join("    " + line for line in self.last_lines)
             text += f"; its last output:\n{tail}"
@@ -153,6 +156,12 @@ def collective_hint(where: Mapping[int, str]) -> str:
             "collective: the group is out of step and the next collective may hang. Re-form it "
             "with %monarch restart all (mesh.restart('all'); variables on the ranks are lost, "
             "--setup cells are replayed).")
+
+
+class CollectiveMismatch(MonarchError, RuntimeError):
+    """Raised on the ranks, in strict mode (``check_collectives=True``), when
+    the members of a group are about to call different collectives (op,
+    dtypes, shapes or root differ). Every rank raises the same text."""
 
 
 class CallTimeout(MonarchError):

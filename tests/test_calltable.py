@@ -220,6 +220,9 @@ class _Supervisor:
     def tail(self, rank: int, lines: int = 10) -> list[str]:
         return []
 
+    def death_hint(self, rank: int, health: dict[str, Any]) -> str:
+        return ""
+
     def start_spare(self) -> None:
         pass
 

@@ -442,6 +442,21 @@ def test_status_help_and_unknown_subcommand(mesh: KernelSession) -> None:
     assert_mesh_answers(mesh)
 
 
+def test_check_collectives_and_the_collectives_report(mesh: KernelSession) -> None:
+    r = failed(mesh, "%%monarch --check-collectives\nimport torch, torch.distributed as dist\n"
+                     "import monarch_nb as mnb\nx = torch.ones(2 if mnb.rank() == 3 else 6)\n"
+                     "dist.all_reduce(x)")
+    assert ("collective 1 of this call: ranks 0-2 called all_reduce(float32[6]) from "
+            "<mnb-cell-") in r.traceback, r.traceback
+    assert "rank 3 called all_reduce(float32[2])" in r.traceback
+    ok(mesh, "%%monarch\nimport torch, torch.distributed as dist\ndist.all_reduce(torch.ones(3))")
+    out = ok(mesh, "%monarch collectives").stdout
+    assert out.startswith("collectives: the ranks agree"), out
+    assert "ranks 0-3: #" in out and "all_reduce(float32[3]) done" in out
+    assert "stragglers:" in ok(mesh, "%monarch stragglers").stdout
+    assert_mesh_answers(mesh)
+
+
 def test_megabytes_of_output_are_truncated(mesh: KernelSession) -> None:
     msg_id = mesh.execute("%%monarch\nfor i in range(20000):\n    print('x' * 1000)")
     # Collect by hand: tens of MB may come back; keep sizes, not all the text.

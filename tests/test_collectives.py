@@ -1,0 +1,230 @@
+"""The collective flight recorder on real ranks (gloo): who is missing from
+a collective, strict mode, an extra collective, a straggler, why a rank
+died, and the trace. One 3-rank mesh for the module: each test leaves it
+usable (a stuck collective is released by the test itself: the skipping
+rank joins late, the others make the extra rank's last call), and the
+death tests come last (the ranks are respawned)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from monarch_nb import Mesh, RankErrors
+from monarch_nb.controller.output import CallOutput
+from monarch_nb.wire.protocol import Kind
+
+from .conftest import wait_for
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[Mesh]:
+    m = Mesh.start(n=3, backend="cpu")
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+def in_step(mesh: Mesh) -> None:
+    """The group still works: one all_reduce on every rank."""
+    res = mesh.exec("import torch, torch.distributed as dist\n_x = torch.ones(1)\n"
+                    "dist.all_reduce(_x)\n_x.item()", timeout=60)
+    assert res == dict.fromkeys(range(3), 3.0)
+
+
+SKIP = """\
+import os, time, torch, torch.distributed as dist, monarch_nb as mnb
+x = torch.ones(8)
+dist.all_reduce(x)
+def stuck_here(flag):
+    while not os.path.exists(flag):
+        time.sleep(0.05)
+if mnb.rank() == 2:
+    stuck_here(FLAG)   # skips the all_reduce below until the test lets it go
+dist.all_reduce(x)
+"""
+
+
+def test_a_rank_that_skips_a_collective(mesh: Mesh, tmp_path: Path) -> None:
+    flag = tmp_path / "go"
+    lines: list[str] = []
+    out = CallOutput(lambda stream, text: lines.append(text))
+    code = SKIP.replace("FLAG", repr(str(flag)))
+    fut = mesh._ctl.submit(Kind.EXEC, (0, 1, 2), [], {"code": code, "name": "<mnb-cell-7>"},
+                           out, hang_timeout=1.5)
+    try:
+        def stuck() -> object:
+            # (not the moment rank 2 is still on its way to the first all_reduce)
+            rep = mesh.collectives()
+            return rep if any(f.kind == "missing" and "stuck_here" in f.text
+                              for f in rep.findings) else None
+
+        report = wait_for(stuck, timeout=30, interval=0.2, what="ranks 0,1 waiting for rank 2")
+        text = report.summary()[0]  # type: ignore[attr-defined]
+        assert text.startswith("ranks 0,1 wait in all_reduce #") and \
+            "(<mnb-cell-7> line 9); rank 2 never entered it (its last was #" in text, text
+        assert text.endswith("it is in stuck_here (<mnb-cell-7> line 6): time.sleep(0.05)"), text
+        # mesh.stacks() prints it first
+        rendered = mesh.stacks().render()
+        assert rendered.startswith("collectives (flight recorder):\n  ranks 0,1 wait in all_reduce")
+        # the hang watchdog too, once, before the grouped stacks
+        wait_for(lambda: "no progress for 1.5 s" in "".join(lines), timeout=20,
+                 what="the hang watchdog")
+        note = "".join(lines)
+        assert "collectives (flight recorder):\n  ranks 0,1 wait in all_reduce" in note, note
+        assert note.index("collectives (flight recorder)") < note.index("ranks 0,1: in all_reduce")
+    finally:
+        flag.touch()  # rank 2 calls it late: the group stays in step
+        mesh.wait(fut, 30)
+    assert mesh.collectives().ok
+    in_step(mesh)
+
+
+def test_strict_mode_fails_a_shape_mismatch_at_once(mesh: Mesh) -> None:
+    code = ("import torch, torch.distributed as dist, monarch_nb as mnb\n"
+            "x = torch.ones(4 if mnb.rank() == 1 else 8)\n"
+            "dist.all_reduce(x)\n")
+    t0 = time.monotonic()
+    with pytest.raises(RankErrors) as info:
+        mesh.exec(code, name="<mnb-cell-8>", check_collectives=True, timeout=60)
+    assert time.monotonic() - t0 < 20
+    text = str(info.value)
+    assert "3 of 3 rank(s) failed" in text
+    assert ("--- ranks 0-2: monarch_nb.errors.CollectiveMismatch: the ranks disagree on a "
+            "collective (strict mode, check_collectives=True): collective 1 of this call: "
+            "ranks 0,2 called all_reduce(float32[8]) from <mnb-cell-8> line 3; rank 1 called "
+            "all_reduce(float32[4]) from <mnb-cell-8> line 3") in text, text
+    in_step(mesh)  # nothing was sent: the group is in step
+
+
+def test_strict_mode_fails_a_different_op_and_passes_a_good_call(mesh: Mesh) -> None:
+    def step(bad: bool) -> float:
+        import torch
+        import torch.distributed as dist
+
+        import monarch_nb as mnb
+
+        x = torch.ones(4)
+        for _ in range(3):
+            dist.all_reduce(x)
+        if bad and mnb.rank() == 2:
+            dist.broadcast(x, src=0)
+        else:
+            dist.all_reduce(x)
+        return float(x[0])
+
+    assert mesh.run(step, False, check_collectives=True) == dict.fromkeys(range(3), 81.0)
+    with pytest.raises(RankErrors) as info:
+        mesh.run(step, True, check_collectives=True, timeout=60)
+    text = str(info.value)
+    assert "collective 4 of this call: ranks 0,1 called all_reduce(float32[4]) from step (" in text
+    assert "rank 2 called broadcast(float32[4], src=0) from step (" in text, text
+    in_step(mesh)
+
+
+EXTRA = """\
+import torch, torch.distributed as dist, monarch_nb as mnb
+for step in range(4):
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    if mnb.rank() == 2 and step == 1:
+        dist.all_reduce(torch.ones(4))   # one extra, on one rank
+"""
+
+
+def test_an_extra_collective_on_one_rank(mesh: Mesh) -> None:
+    before = mesh.collectives().groups[0].last[0]
+    base = 0 if before is None else before.seq + 1
+    fut = mesh.exec(EXTRA, name="<mnb-cell-21>", block=False)
+    try:
+        def stuck() -> object:
+            rep = mesh.collectives()
+            return rep if [f.kind for f in rep.findings] == ["missing", "diverged"] else None
+
+        report = wait_for(stuck, timeout=30, interval=0.2, what="rank 2 alone in all_reduce")
+        missing, diverged = report.summary()  # type: ignore[attr-defined]
+        assert missing == (f"rank 2 waits in all_reduce #{base + 4} (<mnb-cell-21> line 4); "
+                           f"ranks 0,1 never entered it (their last was #{base + 3} all_reduce): "
+                           "they are idle (no call running)")
+        assert diverged == (
+            f"the ranks called the same collectives from different lines from #{base + 2}: "
+            "ranks 0,1 called all_reduce(float32[4]) from <mnb-cell-21> line 4; rank 2 called "
+            "all_reduce(float32[4]) from <mnb-cell-21> line 6")
+    finally:
+        # ranks 0,1 make the call rank 2 waits in: the counts agree again
+        mesh.ranks("0,1").exec("import torch, torch.distributed as dist\n"
+                               "dist.all_reduce(torch.ones(4))", timeout=60)
+        mesh.wait(fut, 30)
+    in_step(mesh)
+
+
+SLOW = """\
+import time, torch, torch.distributed as dist, monarch_nb as mnb
+for step in range(22):
+    time.sleep(0.06 if mnb.rank() == 1 else 0.02)   # rank 1: 3x the work
+    x = torch.ones(16)
+    dist.all_reduce(x)
+    mnb.log(step=step, loss=1.0 / (step + 1))
+"""
+
+
+def test_a_rank_three_times_slower_is_a_straggler(mesh: Mesh) -> None:
+    mesh.exec(SLOW, name="<mnb-cell-30>", timeout=60)
+    report = mesh.stragglers()
+    assert report.slow == [1], report
+    assert report.ranks[1].ratio > 2.0
+    assert report.ranks[0].wait_share > 0.5 > report.ranks[1].wait_share
+    assert str(report).startswith("stragglers: rank 1 consistently slower (>= 1.5x the median")
+
+
+def test_trace_has_calls_collectives_and_steps(mesh: Mesh, tmp_path: Path) -> None:
+    path = mesh.trace(str(tmp_path / "mesh.json"))
+    doc = json.loads(Path(path).read_text())
+    ev = doc["traceEvents"]
+    assert {e["args"]["name"] for e in ev if e["name"] == "process_name"} >= {
+        "rank 0", "rank 1", "rank 2", "mesh"}
+    calls = [e for e in ev if e["ph"] == "X" and e.get("cat") == "call" and e["pid"] == 1]
+    assert any(c["name"] == "<mnb-cell-30>" for c in calls)
+    colls = [e for e in ev if e["ph"] == "X" and e.get("cat") == "collective" and e["pid"] == 1]
+    assert len(colls) >= 22 and colls[-1]["args"]["op"] == "all_reduce(float32[16])"
+    cell30 = next(c for c in calls if c["name"] == "<mnb-cell-30>")
+    inside = [c for c in colls if cell30["ts"] <= c["ts"] <= cell30["ts"] + cell30["dur"]]
+    assert len(inside) == 22 and inside[0]["args"]["from"] == "<mnb-cell-30> line 5"
+    assert any(e["ph"] == "C" and e["name"] == "step" for e in ev)
+    assert sorted({e["ph"] for e in ev}) >= ["C", "M", "X"]
+
+
+def test_a_segfault_is_named_with_the_line(mesh: Mesh) -> None:
+    with pytest.raises(RankErrors) as info:
+        mesh.ranks(1).exec("import ctypes\nctypes.string_at(0)\n", name="<mnb-cell-40>",
+                           timeout=60)
+    text = str(info.value)
+    assert ("--- rank 1: RankDied: rank 1 died (killed by SIGSEGV): Segmentation fault in "
+            "string_at (ctypes/__init__.py line ") in text, text
+    assert "called from <mnb-cell-40> line 2" in text
+    died = [e for e in mesh.events if e["kind"] == "died" and e["rank"] == 1][-1]
+    assert "Segmentation fault in string_at" in died["detail"]
+    wait_for(lambda: mesh.status()[1]["state"] == "ready", timeout=60, what="rank 1 back")
+
+
+def test_a_memory_error_that_ends_a_rank_is_named(mesh: Mesh, tmp_path: Path) -> None:
+    # a rank that cannot go on after a MemoryError (here: it exits, as a
+    # framework's error handler does), its traceback in its log
+    code = ("import os, traceback\ntry:\n    bytearray(1 << 62)\nexcept MemoryError:\n"
+            "    traceback.print_exc()\n    os._exit(1)\n")
+    with pytest.raises(RankErrors) as info:
+        mesh.ranks(2).exec(code, name="<mnb-cell-41>", timeout=60)
+    text = str(info.value)
+    assert ("--- rank 2: RankDied: rank 2 died (exited with code 1): out of memory: its last "
+            "exception was MemoryError; its last output:") in text, text
+    wait_for(lambda: mesh.status()[2]["state"] == "ready", timeout=60, what="rank 2 back")
+    # the trace shows the deaths and respawns as instants
+    doc = json.loads(Path(mesh.trace(str(tmp_path / "t.json"))).read_text())
+    instants = {(e["pid"], e["name"].split(":")[0]) for e in doc["traceEvents"] if e["ph"] == "i"}
+    assert {(1, "died"), (2, "died"), (1, "respawned"), (2, "respawned")} <= instants
+    in_step(mesh)
