@@ -158,29 +158,37 @@ class _RankSet:
         sel = self._sel if ranks is None else self.ranks(ranks).rank_ids
         return self._mesh._live().request_stacks_blocking(sel, timeout, native)
 
-    def collectives(self, ranks: Any = None, *,
-                    timeout: float = STACKS_TIMEOUT_S) -> CollectiveReport:
+    def collectives(self, ranks: Any = None, *, timeout: float = STACKS_TIMEOUT_S,
+                    records: int = RING_SIZE) -> CollectiveReport:
         """What the ranks' collective flight recorders say, side by side:
         per group, the last collective each rank reached; the first one
         where they called different collectives (op, dtypes, shapes) or the
         same one from different lines; a collective some ranks wait in that
         others never entered, and where those are. Asked of each rank's
         control thread, so it works while the ranks are stuck. (Calls that
-        skip ``torch.distributed``'s functions, such as DDP's, are not seen.)"""
-        stacks = self._flight(ranks, timeout)
+        skip ``torch.distributed``'s functions, such as DDP's, are not seen.)
+        ``records``: how many of each rank's newest records to read (the
+        dashboard reads fewer, often)."""
+        stacks = self._flight(ranks, timeout, records)
         return collective_report(stacks)
 
     def stragglers(self, ranks: Any = None, *, window_steps: int = WINDOW_STEPS,
                    factor: float = STRAGGLER_FACTOR,
-                   timeout: float = STACKS_TIMEOUT_S) -> StragglerReport:
+                   timeout: float = STACKS_TIMEOUT_S,
+                   report: CollectiveReport | None = None) -> StragglerReport:
         """Per rank, the time spent computing (between collectives) and
         waiting (inside them) over the last ``window_steps`` steps (as
         ``mnb.log`` counts them; else that many collectives); a rank whose
         computing time is ``factor`` x the others' median is flagged
-        (``.slow``): the others wait for it in every collective."""
-        stacks = self._flight(ranks, timeout)
-        tails = {r: RankTail.from_wire(r, st.flight) for r, st in stacks.items()
-                 if st.flight is not None}
+        (``.slow``): the others wait for it in every collective.
+        ``report``: a :meth:`collectives` report to read the records from,
+        instead of asking the ranks again."""
+        if report is not None:
+            tails = dict(report.tails)
+        else:
+            stacks = self._flight(ranks, timeout)
+            tails = {r: RankTail.from_wire(r, st.flight) for r, st in stacks.items()
+                     if st.flight is not None}
         now = time.monotonic()
         rates = {r: self._mesh._ctl.metrics.steps_per_s(r, now) for r in tails}
         return find_stragglers(tails, rates, window_steps, factor)
@@ -202,9 +210,10 @@ class _RankSet:
             json.dump(doc, f)
         return path
 
-    def _flight(self, ranks: Any, timeout: float) -> Stacks:
+    def _flight(self, ranks: Any, timeout: float, records: int = RING_SIZE) -> Stacks:
         sel = self._sel if ranks is None else self.ranks(ranks).rank_ids
-        return self._mesh._live().request_stacks_blocking(sel, timeout, flight=RING_SIZE)
+        return self._mesh._live().request_stacks_blocking(sel, timeout,
+                                                          flight=max(1, int(records)))
 
     # -- selection ----------------------------------------------------------
     def ranks(self, spec: Any) -> SubMesh:

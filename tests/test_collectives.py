@@ -8,6 +8,7 @@ death tests come last (the ranks are respawned)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,6 +83,51 @@ def test_a_rank_that_skips_a_collective(mesh: Mesh, tmp_path: Path) -> None:
         flag.touch()  # rank 2 calls it late: the group stays in step
         mesh.wait(fut, 30)
     assert mesh.collectives().ok
+    in_step(mesh)
+
+
+def test_the_dashboard_badge_shows_a_desync_while_the_cell_blocks(mesh: Mesh,
+                                                                 tmp_path: Path) -> None:
+    # the kernel's main thread blocks in the cell (leading the I/O loop);
+    # the dashboard's watcher thread still reads the recorders
+    board = mesh.dashboard()
+    sent: list[dict[str, object]] = []
+    board.send = lambda msg, buffers=None: sent.append(msg)  # type: ignore[method-assign]
+    flag = tmp_path / "go"
+    seen: list[dict[str, object]] = []
+
+    def release() -> None:
+        try:
+            def badge() -> object:
+                found = board.feed.flight["findings"]
+                return found if any("never entered it" in f for f in found) else None
+
+            wait_for(badge, timeout=40, interval=0.1, what="the badge")
+            seen.append(dict(board.feed.flight))
+        finally:
+            flag.touch()
+
+    helper = threading.Thread(target=release)
+    helper.start()
+    try:
+        t0 = time.monotonic()
+        mesh.exec(SKIP.replace("FLAG", repr(str(flag))), name="<mnb-cell-9>", timeout=60)
+        assert time.monotonic() - t0 < 45
+    finally:
+        flag.touch()
+        helper.join(10)
+    assert seen, "the badge never showed the desync"
+    (finding,) = seen[0]["findings"]  # type: ignore[misc]
+    assert finding.startswith("ranks 0,1 wait in all_reduce #") and \
+        "(<mnb-cell-9> line 9); rank 2 never entered it (its last was #" in finding, finding
+    assert finding.endswith("it is in stuck_here (<mnb-cell-9> line 6): time.sleep(0.05)")
+    # (rank 2 may be marked slow too: it reached its collectives late)
+    assert set(seen[0]["slow"]) <= {"2"}, seen  # type: ignore[arg-type]
+    # the browser got it in a delta; once the call ended the badge clears
+    wait_for(lambda: any(m.get("flight", {}).get("findings") == [finding]  # type: ignore[union-attr]
+                         for m in sent), timeout=5, what="the badge's delta")
+    wait_for(lambda: board.feed.flight["findings"] == [], timeout=20, what="the badge to clear")
+    assert board.flight_looks >= 2
     in_step(mesh)
 
 
@@ -174,12 +220,19 @@ for step in range(22):
 
 
 def test_a_rank_three_times_slower_is_a_straggler(mesh: Mesh) -> None:
+    board = mesh.dashboard()
     mesh.exec(SLOW, name="<mnb-cell-30>", timeout=60)
     report = mesh.stragglers()
     assert report.slow == [1], report
     assert report.ranks[1].ratio > 2.0
     assert report.ranks[0].wait_share > 0.5 > report.ranks[1].wait_share
     assert str(report).startswith("stragglers: rank 1 consistently slower (>= 1.5x the median")
+    # the dashboard marks rank 1's tile (its look after the call ended)
+    looks = board.flight_looks
+    slow = wait_for(lambda: board.flight_looks > looks and board.feed.flight["slow"], timeout=20,
+                    what="the dashboard's look after the call")
+    assert list(slow) == ["1"] and slow["1"] > 2.0, slow  # type: ignore[call-overload, index]
+    assert board.feed.flight["findings"] == []
 
 
 def test_trace_has_calls_collectives_and_steps(mesh: Mesh, tmp_path: Path) -> None:

@@ -273,6 +273,48 @@ def test_even_ranks_are_not_flagged_and_no_data_says_so() -> None:
     assert "no collectives recorded" in stragglers({}).render()
 
 
+# -- the dashboard's badge and straggler marks ----------------------------------------------
+def test_the_badge_shows_the_findings_and_the_slow_ranks() -> None:
+    from monarch_nb.controller.metricstore import MetricsStore
+    from monarch_nb.ui.dashfeed import NO_FLIGHT, Feed, flight_view
+
+    done = [rec("all_reduce", s) for s in range(58)]
+    tails = {r: tail(r, *done, rec("all_reduce", 58, state="in flight")) for r in (0, 1, 3)}
+    tails[2] = tail(2, *done)
+    view = flight_view(analyze(tails, {2: sleeping(2)}, {4: "dead"}),
+                       stragglers({0: paced(0, 0.03), 1: paced(1, 0.09), 2: paced(2, 0.03),
+                                   3: paced(3, 0.03)}))
+    # a rank that did not answer is left out: its tile shows it down already
+    assert view == {"findings": [
+        "ranks 0,1,3 wait in all_reduce #58 (<mnb-cell-7> line 12); rank 2 never entered it "
+        "(its last was #57 all_reduce): it is in stuck_here (<mnb-cell-7> line 9): "
+        "time.sleep(600)"], "slow": {"1": 3.0}}
+    json.dumps(view)
+    rows = [{"rank": r, "state": "busy"} for r in range(4)]
+    feed = Feed(MetricsStore(4), lambda: rows, lambda: [])
+    snap = feed.next()
+    assert snap is not None and snap["flight"] == NO_FLIGHT
+    assert feed.next() is None
+    feed.flight = view
+    assert feed.next() == {"t": "delta", "flight": view}
+    assert feed.next() is None  # sent once
+    feed.flight = NO_FLIGHT
+    assert feed.next() == {"t": "delta", "flight": NO_FLIGHT}  # cleared
+
+
+def test_the_recorders_are_read_while_calls_run_and_once_after() -> None:
+    from monarch_nb.ui.dashfeed import FlightWatch
+
+    w = FlightWatch(every=2.0)
+    assert not w.due(0.0, busy=False)  # idle mesh: never asked
+    assert w.due(1.0, busy=True)
+    assert not w.due(2.0, busy=True)  # not before 2 s
+    assert w.due(3.0, busy=True)
+    assert not w.due(4.0, busy=False)
+    assert w.due(5.0, busy=False)  # once more after the call ended
+    assert not w.due(9.0, busy=False) and not w.due(30.0, busy=False)
+
+
 # -- the trace ---------------------------------------------------------------------------
 def test_chrome_trace_has_a_track_per_rank() -> None:
     t0 = 1_000.0

@@ -105,7 +105,11 @@ class Inspector:
 
     def request_stacks_blocking(self, ranks: tuple[int, ...], timeout: float = STACKS_TIMEOUT_S,
                                 native: bool = False, flight: int = FLIGHT_TAIL) -> Stacks:
-        """Any thread: the stacks of ``ranks``, leading the I/O loop meanwhile."""
+        """Any thread: the stacks of ``ranks``. The main thread leads the
+        I/O loop meanwhile; another thread (the dashboard's) leaves the
+        request to whoever leads: the main thread may be blocked in a cell,
+        leading the loop until the cell ends, and the request must be
+        answered while the ranks are stuck, not after."""
         box: list[Stacks] = []
         done = threading.Event()
 
@@ -115,9 +119,13 @@ class Inspector:
 
         self.io.call_soon(lambda: self.request_stacks(ranks, finished, timeout, flight))
         deadline = time.monotonic() + timeout + 5.0
-        with self.io.leadership():
-            while not done.is_set() and not self.io.stopping and time.monotonic() < deadline:
-                self.io.run_once(0.05)
+        if threading.current_thread() is threading.main_thread():
+            with self.io.leadership():
+                while not done.is_set() and not self.io.stopping and time.monotonic() < deadline:
+                    self.io.run_once(0.05)
+        else:
+            while not done.wait(0.1) and not self.io.stopping and time.monotonic() < deadline:
+                pass
         stacks = box[0] if box else Stacks({r: RankStacks(r, status="no answer") for r in ranks})
         if native:
             for r, st in stacks.items():
