@@ -276,11 +276,18 @@ def test_even_ranks_are_not_flagged_and_no_data_says_so() -> None:
 # -- the dashboard's badge and straggler marks ----------------------------------------------
 def test_the_badge_shows_the_findings_and_the_slow_ranks() -> None:
     from monarch_nb.controller.metricstore import MetricsStore
-    from monarch_nb.ui.dashfeed import NO_FLIGHT, Feed, flight_view
+    from monarch_nb.ui.dashfeed import BADGE_WAIT_S, NO_FLIGHT, Feed, flight_view
 
     done = [rec("all_reduce", s) for s in range(58)]
-    tails = {r: tail(r, *done, rec("all_reduce", 58, state="in flight")) for r in (0, 1, 3)}
+    tails = {r: tail(r, *done, rec("all_reduce", 58, state="in flight", t0=1000.0))
+             for r in (0, 1, 3)}
     tails[2] = tail(2, *done)
+    for t in tails.values():  # ranks 0,1,3 have waited in #58 for 0.5 s
+        t.now = 1000.5
+    # a wait that short is a slower rank, not news: no badge
+    assert flight_view(analyze(tails, {2: sleeping(2)}), None) == NO_FLIGHT
+    for t in tails.values():
+        t.now = 1000.0 + BADGE_WAIT_S
     view = flight_view(analyze(tails, {2: sleeping(2)}, {4: "dead"}),
                        stragglers({0: paced(0, 0.03), 1: paced(1, 0.09), 2: paced(2, 0.03),
                                    3: paced(3, 0.03)}))

@@ -13,8 +13,11 @@ messages; it keeps cursors so that each message carries only what changed:
 
 ``flight`` (:func:`flight_view`) is the collectives badge and the straggler
 marks: ``{"findings": [text, ...], "slow": {rank: ratio}}``, the texts those
-of ``mesh.collectives()`` (a rank that did not answer is left out: its tile
-shows it down already). The dashboard's watcher thread fills it in
+of ``mesh.collectives()``. Left out: a rank that did not answer (its tile
+shows it down already), and a collective that some ranks have waited in for
+less than ``BADGE_WAIT_S``: while a rank is merely slower, the others
+wait for it in every collective, a fraction of a second each time, and a
+badge that blinked for each would be noise. The dashboard's watcher thread fills it in
 (:class:`FlightWatch` says when it is due); the feed only sends it.
 
 :class:`Throttle` spaces messages at least ``1 / max_hz`` apart. Both are
@@ -29,7 +32,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ..controller.collectives import CollectiveReport, StragglerReport
+from ..controller.collectives import CollectiveReport, Finding, StragglerReport
 from ..controller.metricstore import MetricsStore
 
 MAX_HZ = 10.0
@@ -89,14 +92,37 @@ def _event(e: dict[str, Any]) -> dict[str, Any]:
 NO_FLIGHT: dict[str, Any] = {"findings": [], "slow": {}}
 FLIGHT_EVERY_S = 2.0  # between two looks at the recorders while a call runs
 FLIGHT_RECORDS = 400  # newest records read per rank each time (mesh.collectives reads all)
+BADGE_WAIT_S = 5.0  # a collective waited in this long is shown (mismatches at once)
+_WAITS = {"missing", "waiting", "p2p"}  # findings about a collective still in flight
 
 
 def flight_view(report: CollectiveReport, pace: StragglerReport | None) -> dict[str, Any]:
     """What the badge and the tiles show of the recorders (see the module
     docstring); JSON-ready, rank keys as strings."""
-    findings = [f.text for f in report.findings if f.kind != "silent"]
+    stuck = {f.group for f in report.findings
+             if f.kind in _WAITS and _waited(report, f.group, f.seq, f.kind == "p2p") >= BADGE_WAIT_S}
+
+    def shown(f: Finding) -> bool:
+        if f.kind == "silent":
+            return False
+        if f.kind in _WAITS or f.kind == "diverged":  # (diverged comes with a wait)
+            return f.group in stuck
+        return True  # a mismatch: at once
+
+    findings = [f.text for f in report.findings if shown(f)]
     slow = {} if pace is None else {str(r): round(pace.ranks[r].ratio, 1) for r in pace.slow}
     return {"findings": findings, "slow": slow}
+
+
+def _waited(report: CollectiveReport, group: str, seq: int | None, p2p: bool) -> float:
+    """How long the longest-waiting rank has been in collective ``seq`` of
+    ``group`` (by its own clock when it answered)."""
+    waited = 0.0
+    for tail in report.tails.values():
+        for rec in tail.ops:
+            if rec.t1 is None and rec.group == group and rec.seq == seq and rec.p2p == p2p:
+                waited = max(waited, tail.now - rec.t0)
+    return waited
 
 
 class FlightWatch:

@@ -189,7 +189,7 @@ function render({ model, el }) {
       const ratio = data.flight.slow[String(rank)];
       div.dataset.slow = ratio === undefined ? "" : String(ratio);
       const slow = ratio === undefined ? "" :
-        `<span class="mnb-slow" title="a straggler: ${ratio}x the others' median compute time between collectives (mesh.stragglers())">slow ${ratio}x</span>`;
+        `<span class="mnb-slow" title="a straggler: ${ratio}x the others' median compute time between collectives (mesh.stragglers())">slow ${Number(ratio).toFixed(1)}x</span>`;
       const head = `${swatch}<b>rank ${rank}</b>${slow}<span class="st" style="color:${STATE_COLOURS[t.state]}">${esc(t.state)}</span>`;
       if (compact) {
         const v = metric && t.last && t.last[metric] !== undefined ? t.last[metric] : "";
