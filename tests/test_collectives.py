@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,10 +92,10 @@ def test_the_dashboard_badge_shows_a_desync_while_the_cell_blocks(mesh: Mesh,
     # the kernel's main thread blocks in the cell (leading the I/O loop);
     # the dashboard's watcher thread still reads the recorders
     board = mesh.dashboard()
-    sent: list[dict[str, object]] = []
-    board.send = lambda msg, buffers=None: sent.append(msg)  # type: ignore[method-assign]
+    sent: list[dict[str, Any]] = []
+    board.send = lambda msg, buffers=None: sent.append(msg)
     flag = tmp_path / "go"
-    seen: list[dict[str, object]] = []
+    seen: list[dict[str, Any]] = []
 
     def release() -> None:
         try:
@@ -117,14 +118,14 @@ def test_the_dashboard_badge_shows_a_desync_while_the_cell_blocks(mesh: Mesh,
         flag.touch()
         helper.join(10)
     assert seen, "the badge never showed the desync"
-    (finding,) = seen[0]["findings"]  # type: ignore[misc]
+    (finding,) = seen[0]["findings"]
     assert finding.startswith("ranks 0,1 wait in all_reduce #") and \
         "(<mnb-cell-9> line 9); rank 2 never entered it (its last was #" in finding, finding
     assert finding.endswith("it is in stuck_here (<mnb-cell-9> line 6): time.sleep(0.05)")
     # (rank 2 may be marked slow too: it reached its collectives late)
-    assert set(seen[0]["slow"]) <= {"2"}, seen  # type: ignore[arg-type]
+    assert set(seen[0]["slow"]) <= {"2"}, seen
     # the browser got it in a delta; once the call ended the badge clears
-    wait_for(lambda: any(m.get("flight", {}).get("findings") == [finding]  # type: ignore[union-attr]
+    wait_for(lambda: any(m.get("flight", {}).get("findings") == [finding]
                          for m in sent), timeout=5, what="the badge's delta")
     wait_for(lambda: board.feed.flight["findings"] == [], timeout=20, what="the badge to clear")
     assert board.flight_looks >= 2
@@ -281,3 +282,78 @@ def test_a_memory_error_that_ends_a_rank_is_named(mesh: Mesh, tmp_path: Path) ->
     instants = {(e["pid"], e["name"].split(":")[0]) for e in doc["traceEvents"] if e["ph"] == "i"}
     assert {(1, "died"), (2, "died"), (1, "respawned"), (2, "respawned")} <= instants
     in_step(mesh)
+
+
+def _child_memory_cgroup(name: str, limit: int) -> Path:
+    """A memory cgroup under this process's own, limited to ``limit``
+    bytes (v1 or v2); pytest.skip, saying why, where the machine does not
+    allow it (not root, no memory controller, a read-only cgroupfs)."""
+    import os
+
+    own = Path("/proc/self/cgroup").read_text().splitlines()
+    v1 = [path for _, controllers, path in (line.split(":", 2) for line in own)
+          if "memory" in controllers.split(",")]
+    if v1:
+        parent, limit_file = Path("/sys/fs/cgroup/memory") / v1[0].lstrip("/"), \
+            "memory.limit_in_bytes"
+    else:
+        v2 = [path for _, controllers, path in (line.split(":", 2) for line in own)
+              if controllers == ""]
+        parent, limit_file = Path("/sys/fs/cgroup") / (v2 or ["/"])[0].lstrip("/"), "memory.max"
+        control = parent / "cgroup.subtree_control"
+        if not control.exists() or "memory" not in control.read_text().split():
+            pytest.skip("no cgroup memory controller this process may use "
+                        "(neither a v1 'memory' hierarchy nor 'memory' in v2 subtree_control)")
+    child = parent / name
+    try:
+        child.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot create a memory cgroup under {parent}: {exc} "
+                    f"(root with a writable cgroupfs is needed; uid {os.getuid()})")
+    try:
+        (child / limit_file).write_text(str(limit))
+    except OSError as exc:
+        child.rmdir()
+        pytest.skip(f"cannot set a memory limit on {child}: {exc}")
+    return child
+
+
+OOM = """\
+import os, time
+open(CGROUP + "/cgroup.procs", "w").write(str(os.getpid()))   # into the limited cgroup
+time.sleep(1.2)   # heartbeats report its limit
+keep = []
+while True:   # a leak: 8 MiB every 0.1 s, until the kernel's OOM killer steps in
+    keep.append(b"x" * (8 << 20))
+    time.sleep(0.1)
+"""
+
+
+def test_a_rank_killed_by_the_oom_killer_in_its_cgroup(mesh: Mesh) -> None:
+    import os
+    import re
+
+    cgroup = _child_memory_cgroup(f"mnb-oom-{os.getpid()}", 256 << 20)
+    try:
+        with pytest.raises(RankErrors) as info:
+            mesh.ranks(0).exec(OOM.replace("CGROUP", repr(str(cgroup))), name="<mnb-cell-42>",
+                               timeout=90)
+        text = str(info.value)
+        assert re.search(r"--- rank 0: RankDied: rank 0 died \(killed by SIGKILL\): probably the "
+                         r"kernel's OOM killer: its memory cgroup was last seen at \d+ MiB of its "
+                         r"256 MiB limit, last RSS seen \d+ MiB", text), text
+        died = [e for e in mesh.events if e["kind"] == "died" and e["rank"] == 0][-1]
+        assert "probably the kernel's OOM killer" in died["detail"], died
+        wait_for(lambda: mesh.status()[0]["state"] == "ready", timeout=60, what="rank 0 back")
+        in_step(mesh)
+    finally:
+        def removed() -> bool:
+            try:
+                cgroup.rmdir()  # once the killed process is gone from it
+            except FileNotFoundError:
+                return True
+            except OSError:
+                return False
+            return True
+
+        wait_for(removed, timeout=30, interval=0.2, what=f"{cgroup} to empty")

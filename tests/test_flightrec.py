@@ -382,6 +382,50 @@ def test_sigkill_not_ours_points_at_the_oom_killer() -> None:
                               sent=[signal.SIGKILL]) == ""  # %monarch kill: no guess
 
 
+def test_sigkill_in_a_memory_cgroup_names_its_limit(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from monarch_nb.engine import health
+
+    mib = 2**20
+    assert deathcause.explain(-9, [], last_rss=500 * mib, mem_total=16 * 2**30,
+                              mem_limit=256 * mib, mem_used=230 * mib) == (
+        "probably the kernel's OOM killer: its memory cgroup was last seen at 230 MiB of its "
+        "256 MiB limit, last RSS seen 500 MiB")
+    assert deathcause.explain(-9, [], last_rss=500 * mib, mem_limit=256 * mib,
+                              mem_used=20 * mib).startswith(
+        "SIGKILL that monarch_nb did not send; its memory cgroup was last seen at 20 MiB of its "
+        "256 MiB limit, last RSS seen 500 MiB: the kernel's OOM killer if memory grew fast")
+    # the heartbeat's reading: v1 and v2 layouts, "max" and a limit above the machine's: none
+    monkeypatch.setattr(health, "_CGROUP_ROOT", str(tmp_path))
+    v1 = tmp_path / "memory" / "jobs" / "r0"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(f"{256 * mib}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{100 * mib}\n")
+    assert health._memory_files("5:memory:/jobs/r0\n0::/\n") == (
+        str(v1 / "memory.limit_in_bytes"), str(v1 / "memory.usage_in_bytes"))
+    v2 = tmp_path / "user.slice" / "job"
+    v2.mkdir(parents=True)
+    (v2 / "memory.max").write_text("max\n")
+    (v2 / "memory.current").write_text("1234\n")
+    assert health._memory_files("0::/user.slice/job\n") == (
+        str(v2 / "memory.max"), str(v2 / "memory.current"))
+    assert health._memory_files("0::/nowhere\n") is None
+    monkeypatch.setattr(health, "_cgroup_files", {})
+    real_open = open
+
+    def fake_open(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if path == "/proc/self/cgroup":
+            path = tmp_path / "cgroup"
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    (tmp_path / "cgroup").write_text("5:memory:/jobs/r0\n")
+    assert health._cgroup_memory() == (256 * mib, 100 * mib)
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # unlimited (v1)
+    assert health._cgroup_memory() is None
+    (tmp_path / "cgroup").write_text("0::/user.slice/job\n")
+    assert health._cgroup_memory() is None  # "max"
+
+
 def test_an_exit_after_an_exception_names_it() -> None:
     tail = ["Traceback (most recent call last):", '  File "<mnb-cell-4>", line 4, in <module>',
             "    bytearray(1 << 62)", "MemoryError"]

@@ -13,7 +13,9 @@ than the exit status already says).
   stuck survivor): nothing else on a machine sends SIGKILL as often as the
   kernel's OOM killer, so it is named, with the rank's last resident memory
   (from its heartbeats): "probably the OOM killer" when that was at least
-  :data:`HIGH_RSS_FRACTION` of the machine's memory, else as a possibility;
+  :data:`HIGH_RSS_FRACTION` of the machine's memory, or when its memory
+  cgroup (a container's, a Slurm job's: the heartbeat reports it) was at
+  :data:`NEAR_LIMIT_FRACTION` of its limit, else as a possibility;
 * an exit with a Python traceback at the end of the log (an uncaught
   error, a MemoryError the rank could not survive): the last exception
   line, with "out of memory" said for MemoryError and torch's
@@ -30,6 +32,9 @@ import signal as signal_mod
 from collections.abc import Iterable, Sequence
 
 HIGH_RSS_FRACTION = 0.25  # of the machine's memory: a SIGKILL then is probably the OOM killer
+# of a cgroup's limit: heartbeats come every 0.5 s, and memory that grows
+# fast passes the last reading by a lot before the kill
+NEAR_LIMIT_FRACTION = 0.5
 _CRASHES = {signal_mod.SIGSEGV, signal_mod.SIGBUS, signal_mod.SIGABRT, signal_mod.SIGFPE,
             signal_mod.SIGILL}
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
@@ -38,9 +43,12 @@ _OOM_NAMES = ("MemoryError", "OutOfMemoryError")
 
 
 def explain(code: int | None, log_tail: Sequence[str], *, last_rss: float | None = None,
-            mem_total: float | None = None, sent: Iterable[int] = ()) -> str:
+            mem_total: float | None = None, sent: Iterable[int] = (),
+            mem_limit: float | None = None, mem_used: float | None = None) -> str:
     """The cause hint for a rank that exited with ``code`` (negative: a
-    signal). ``sent``: the signals monarch_nb itself sent the process."""
+    signal). ``sent``: the signals monarch_nb itself sent the process;
+    ``mem_limit``, ``mem_used``: its memory cgroup's limit and last usage,
+    when it had a limit."""
     if code is None:
         return ""
     if code < 0:
@@ -48,7 +56,7 @@ def explain(code: int | None, log_tail: Sequence[str], *, last_rss: float | None
         if sig in {int(s) for s in _CRASHES}:
             return crash_hint(sig, log_tail)
         if sig == signal_mod.SIGKILL and sig not in set(sent):
-            return oom_hint(last_rss, mem_total)
+            return oom_hint(last_rss, mem_total, mem_limit, mem_used)
         return ""
     if code != 0:
         return exception_hint(log_tail)
@@ -92,7 +100,17 @@ def _current_thread(lines: Sequence[str]) -> list[tuple[str, int, str]]:
     return frames
 
 
-def oom_hint(last_rss: float | None, mem_total: float | None) -> str:
+def oom_hint(last_rss: float | None, mem_total: float | None,
+             mem_limit: float | None = None, mem_used: float | None = None) -> str:
+    if mem_limit and mem_used is not None:
+        used, cap = mem_used / 2**20, mem_limit / 2**20
+        rss = "" if last_rss is None else f", last RSS seen {last_rss / 2**20:,.0f} MiB"
+        if mem_used >= NEAR_LIMIT_FRACTION * mem_limit:
+            return (f"probably the kernel's OOM killer: its memory cgroup was last seen at "
+                    f"{used:,.0f} MiB of its {cap:,.0f} MiB limit{rss}")
+        return (f"SIGKILL that monarch_nb did not send; its memory cgroup was last seen at "
+                f"{used:,.0f} MiB of its {cap:,.0f} MiB limit{rss}: the kernel's OOM killer if "
+                "memory grew fast (see dmesg), or another process")
     if last_rss is None:
         return ("SIGKILL that monarch_nb did not send: often the kernel's OOM killer "
                 "(see dmesg)")
@@ -148,4 +166,5 @@ def _at(frame: tuple[str, int, str]) -> str:
     return at if func == "<module>" else f"{func} ({at})"
 
 
-__all__ = ["explain", "crash_hint", "oom_hint", "exception_hint", "HIGH_RSS_FRACTION"]
+__all__ = ["explain", "crash_hint", "oom_hint", "exception_hint", "HIGH_RSS_FRACTION",
+           "NEAR_LIMIT_FRACTION"]

@@ -232,14 +232,16 @@ class Supervisor:
         if proc is None:
             return ""
         code = proc.popen.poll()
-        rss = health.get("rss")
+        rss, limit, used = health.get("rss"), health.get("mem_limit"), health.get("mem_used")
         try:
             total: float | None = psutil.virtual_memory().total
         except Exception:
             total = None
         return deathcause.explain(code, self.tail(rank, 300), sent=proc.sent,
                                   last_rss=rss if isinstance(rss, (int, float)) else None,
-                                  mem_total=None if self.launcher.remote else total)
+                                  mem_total=None if self.launcher.remote else total,
+                                  mem_limit=limit if isinstance(limit, (int, float)) else None,
+                                  mem_used=used if isinstance(used, (int, float)) else None)
 
     def logs(self, rank: int, lines: int = 100) -> list[str]:
         """The last ``lines`` lines ``rank`` wrote across all its incarnations,
