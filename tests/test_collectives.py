@@ -21,6 +21,7 @@ from monarch_nb.controller.output import CallOutput
 from monarch_nb.wire.protocol import Kind
 
 from .conftest import wait_for
+from .tracecheck import check_chrome_trace, perfetto_slices, trace_processor_reason
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +252,23 @@ def test_trace_has_calls_collectives_and_steps(mesh: Mesh, tmp_path: Path) -> No
     assert len(inside) == 22 and inside[0]["args"]["from"] == "<mnb-cell-30> line 5"
     assert any(e["ph"] == "C" and e["name"] == "step" for e in ev)
     assert sorted({e["ph"] for e in ev}) >= ["C", "M", "X"]
+    check_chrome_trace(doc)  # loads in Perfetto / chrome://tracing as it is
+
+
+def test_trace_reads_back_in_perfettos_trace_processor(mesh: Mesh, tmp_path: Path) -> None:
+    why = trace_processor_reason()
+    if why:
+        pytest.skip(why)
+    path = mesh.trace(str(tmp_path / "mesh.json"))
+    slices = perfetto_slices(path)
+    rank1 = [s for s in slices if s["process"] == "rank 1"]
+    cells = [s for s in rank1 if s["thread"] == "calls" and s["name"] == "<mnb-cell-30>"]
+    assert len(cells) == 1, rank1
+    cell = cells[0]
+    inside = [s for s in rank1 if s["thread"] == "collectives"
+              and cell["ts"] <= s["ts"] <= cell["ts"] + cell["dur"]]
+    assert len(inside) == 22 and all(s["name"].startswith("all_reduce #") for s in inside)
+    assert {s["process"] for s in slices} >= {"rank 0", "rank 1", "rank 2"}
 
 
 def test_a_segfault_is_named_with_the_line(mesh: Mesh) -> None:
@@ -279,6 +297,7 @@ def test_a_memory_error_that_ends_a_rank_is_named(mesh: Mesh, tmp_path: Path) ->
     wait_for(lambda: mesh.status()[2]["state"] == "ready", timeout=60, what="rank 2 back")
     # the trace shows the deaths and respawns as instants
     doc = json.loads(Path(mesh.trace(str(tmp_path / "t.json"))).read_text())
+    check_chrome_trace(doc)
     instants = {(e["pid"], e["name"].split(":")[0]) for e in doc["traceEvents"] if e["ph"] == "i"}
     assert {(1, "died"), (2, "died"), (1, "respawned"), (2, "respawned")} <= instants
     in_step(mesh)

@@ -20,6 +20,8 @@ from monarch_nb.engine import context, flightrec
 from monarch_nb.flight import OpRecord, mismatch_text
 from monarch_nb.stacks import RankStacks, Stacks, hang_report
 
+from .tracecheck import check_chrome_trace
+
 CELL = "<mnb-cell-7>"
 
 
@@ -346,6 +348,19 @@ def test_chrome_trace_has_a_track_per_rank() -> None:
     assert (1, "died: killed by SIGKILL") in inst and (2, "reformed") in inst
     assert [e["args"] for e in ev if e["ph"] == "C"] == [{"step": 3}]
     assert doc["otherData"]["start_unix_s"] == t0
+    check_chrome_trace(doc)
+    # the checker itself: slices that overlap without nesting, a slice with no dur
+    bad = {"traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "rank 0"}},
+        {"ph": "X", "name": "a", "pid": 0, "tid": 2, "ts": 0, "dur": 10},
+        {"ph": "X", "name": "b", "pid": 0, "tid": 2, "ts": 5, "dur": 10}]}
+    with pytest.raises(AssertionError, match=r"'b' .* overlaps 'a' without nesting"):
+        check_chrome_trace(bad)
+    bad["traceEvents"][2] = {"ph": "X", "name": "b", "pid": 0, "tid": 2, "ts": 5}
+    with pytest.raises(AssertionError, match="bad dur"):
+        check_chrome_trace(bad)
+    bad["traceEvents"][2] = {"ph": "X", "name": "b", "pid": 0, "tid": 2, "ts": 2, "dur": 3}
+    check_chrome_trace(bad)  # nested: fine
 
 
 # -- death causes --------------------------------------------------------------------------
