@@ -441,6 +441,23 @@ def test_sigkill_in_a_memory_cgroup_names_its_limit(tmp_path: Any, monkeypatch: 
     assert health._cgroup_memory() is None  # "max"
 
 
+def test_a_collective_timeout_is_named_from_the_backends_line() -> None:
+    nccl = ["[rank1]:[E ProcessGroupNCCL.cpp:632] [Rank 1] Watchdog caught collective operation "
+            "timeout: WorkNCCL(SeqNum=58, OpType=ALLREDUCE, NumelIn=8, NumelOut=8, "
+            "Timeout(ms)=600000) ran for 600042 milliseconds before timing out.",
+            "Fatal Python error: Aborted"]
+    assert deathcause.explain(-int(signal.SIGABRT), nccl).startswith(
+        "a collective timed out: [rank1]:[E ProcessGroupNCCL.cpp:632] [Rank 1] Watchdog caught "
+        "collective operation timeout: WorkNCCL(SeqNum=58, OpType=ALLREDUCE")
+    gloo = ["Traceback (most recent call last):", '  File "<mnb-cell-3>", line 2, in <module>',
+            "RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+            "1800000ms for recv operation to complete"]
+    assert deathcause.explain(1, gloo) == (
+        "a collective timed out: RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:81] Timed "
+        "out waiting 1800000ms for recv operation to complete")
+    assert deathcause.explain(0, gloo) == ""  # a clean exit is not a death's cause
+
+
 def test_an_exit_after_an_exception_names_it() -> None:
     tail = ["Traceback (most recent call last):", '  File "<mnb-cell-4>", line 4, in <module>',
             "    bytearray(1 << 62)", "MemoryError"]

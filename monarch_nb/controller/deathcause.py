@@ -19,7 +19,10 @@ than the exit status already says).
 * an exit with a Python traceback at the end of the log (an uncaught
   error, a MemoryError the rank could not survive): the last exception
   line, with "out of memory" said for MemoryError and torch's
-  OutOfMemoryError.
+  OutOfMemoryError (CUDA's or HIP's);
+* a collective that timed out, whatever the exit looked like (NCCL's and
+  RCCL's watchdog abort the process, gloo raises): the backend's line
+  saying so, when the log has one ("a collective timed out: ...").
 
 Non-goals: the exit status itself (RankDied.cause), reading the log
 (supervisor.py).
@@ -40,6 +43,10 @@ _CRASHES = {signal_mod.SIGSEGV, signal_mod.SIGBUS, signal_mod.SIGABRT, signal_mo
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 _EXC = re.compile(r"^(?P<name>[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning))(:\s?(?P<msg>.*))?$")
 _OOM_NAMES = ("MemoryError", "OutOfMemoryError")
+# what NCCL/RCCL's watchdog and gloo write when a collective times out
+_TIMEOUT = re.compile(r"collective operation timeout|before timing out|"
+                      r"operations have failed or timed out|"
+                      r"timed out waiting \S+ for (send|recv)", re.IGNORECASE)
 
 
 def explain(code: int | None, log_tail: Sequence[str], *, last_rss: float | None = None,
@@ -51,6 +58,10 @@ def explain(code: int | None, log_tail: Sequence[str], *, last_rss: float | None
     when it had a limit."""
     if code is None:
         return ""
+    if code != 0:
+        timed_out = timeout_hint(log_tail)
+        if timed_out:
+            return timed_out
     if code < 0:
         sig = -code
         if sig in {int(s) for s in _CRASHES}:
@@ -98,6 +109,15 @@ def _current_thread(lines: Sequence[str]) -> list[tuple[str, int, str]]:
             elif frames:
                 inside = False
     return frames
+
+
+def timeout_hint(log_tail: Sequence[str]) -> str:
+    """The backend's own line about a collective that timed out, if any."""
+    for line in reversed(log_tail):
+        if _TIMEOUT.search(line):
+            text = line.strip()
+            return f"a collective timed out: {text[:240]}{'...' if len(text) > 240 else ''}"
+    return ""
 
 
 def oom_hint(last_rss: float | None, mem_total: float | None,
@@ -166,5 +186,6 @@ def _at(frame: tuple[str, int, str]) -> str:
     return at if func == "<module>" else f"{func} ({at})"
 
 
-__all__ = ["explain", "crash_hint", "oom_hint", "exception_hint", "HIGH_RSS_FRACTION",
+__all__ = ["explain", "crash_hint", "oom_hint", "exception_hint", "timeout_hint",
+           "HIGH_RSS_FRACTION",
            "NEAR_LIMIT_FRACTION"]
