@@ -7,6 +7,7 @@ death tests come last (the ranks are respawned)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 import time
@@ -269,6 +270,45 @@ def test_trace_reads_back_in_perfettos_trace_processor(mesh: Mesh, tmp_path: Pat
               and cell["ts"] <= s["ts"] <= cell["ts"] + cell["dur"]]
     assert len(inside) == 22 and all(s["name"].startswith("all_reduce #") for s in inside)
     assert {s["process"] for s in slices} >= {"rank 0", "rank 1", "rank 2"}
+
+
+DIFFERENT_OP = """\
+import torch, torch.distributed as dist, monarch_nb as mnb
+x = torch.ones(8)
+if mnb.rank() == 2:
+    dist.broadcast(torch.ones(4), src=0)   # a different op (and shape) on one rank
+else:
+    dist.all_reduce(x)
+"""
+
+
+def test_a_different_op_on_one_rank_is_named_while_they_hang(mesh: Mesh) -> None:
+    # without strict mode gloo hangs (every rank in its own collective); the
+    # recorders say which rank called what, from where
+    groups = mesh.collectives().groups
+    before = groups[0].last[0] if groups else None
+    seq = 0 if before is None else before.seq + 1
+    fut = mesh.exec(DIFFERENT_OP, name="<mnb-cell-7>", block=False)
+    try:
+        def mismatch() -> object:
+            rep = mesh.collectives()
+            return rep if rep.findings and rep.findings[0].kind == "mismatch" else None
+
+        report = wait_for(mismatch, timeout=30, interval=0.2, what="the mismatch")
+        assert report.summary() == [  # type: ignore[attr-defined]
+            f"#{seq}: ranks 0,1 called all_reduce(float32[8]) from <mnb-cell-7> line 6; "
+            "rank 2 called broadcast(float32[4], src=0) from <mnb-cell-7> line 4"]
+        assert (f"ranks 0,1: #{seq} all_reduce(float32[8]) in flight; rank 2: #{seq} "
+                "broadcast(float32[4], src=0) in flight") in str(report)
+    finally:
+        # the group is out of step: fresh processes (as %monarch restart all)
+        fut.cancel()
+        mesh.restart("all")
+        wait_for(lambda: all(r["state"] == "ready" for r in mesh.status()), timeout=90,
+                 what="the ranks back")
+    with pytest.raises(concurrent.futures.CancelledError):
+        mesh.wait(fut, 30)
+    in_step(mesh)
 
 
 def test_a_segfault_is_named_with_the_line(mesh: Mesh) -> None:
