@@ -11,7 +11,10 @@ depend on the number of ranks: it is Python work on the calling rank):
 2. the wrapper alone, around a no-op stand-in with all_reduce's signature
    (the recorder's own time, without gloo's noise);
 3. a small training step (a 3-layer MLP, forward, backward, one all_reduce
-   per parameter for the gradients, SGD), with and without.
+   per parameter for the gradients, SGD), with and without;
+4. strict mode (``check_collectives=True``) on that all_reduce: the store
+   round trip each collective adds (with one rank the exchange is with
+   itself, through the TCP store: the floor of what it costs).
 
 Each figure is the best round's mean time per call; "added" is with minus
 without. On a loaded 2-core VM gloo's own time moves by tens of µs from
@@ -110,6 +113,14 @@ def main() -> None:
 
     rows.append((f"training step: MLP, {len(params)} all_reduces (µs/step)",
                  *compare(step(raw), step(wrapped), max(50, n // 5), rounds)))
+
+    strict = flightrec.Recorder()
+    strict_wrapped = flightrec._wrap("all_reduce", raw, strict)
+    flightrec.begin_check(1, strict)
+    rows.append(("all_reduce float32[8], strict mode (µs/call)",
+                 *compare(lambda: wrapped(x), lambda: strict_wrapped(x), max(50, n // 5),
+                          max(3, rounds // 4))))
+    flightrec.end_check(True, strict)
     dist.destroy_process_group()
 
     print(f"collective flight recorder cost ({'quick' if args.quick else 'full'} run, "
