@@ -151,6 +151,24 @@ def test_strict_mode_fails_a_shape_mismatch_at_once(mesh: Mesh) -> None:
     in_step(mesh)  # nothing was sent: the group is in step
 
 
+def test_strict_mode_fails_a_skipped_collective_instead_of_hanging(mesh: Mesh) -> None:
+    code = ("import torch, torch.distributed as dist, monarch_nb as mnb\n"
+            "x = torch.ones(8)\n"
+            "if mnb.rank() != 2:\n"
+            "    dist.all_reduce(x)   # rank 2 skips it\n")
+    t0 = time.monotonic()
+    with pytest.raises(RankErrors) as info:
+        mesh.exec(code, name="<mnb-cell-8>", check_collectives=True, timeout=60)
+    assert time.monotonic() - t0 < 20
+    text = str(info.value)
+    assert "2 of 3 rank(s) failed" in text, text
+    assert ("--- ranks 0,1: monarch_nb.errors.CollectiveMismatch: the ranks disagree on a "
+            "collective (strict mode, check_collectives=True): collective 1 of this call: "
+            "ranks 0,1 called all_reduce(float32[8]) from <mnb-cell-8> line 4; rank 2 "
+            "finished the call without it; nothing was sent") in text, text
+    in_step(mesh)
+
+
 def test_strict_mode_fails_a_different_op_and_passes_a_good_call(mesh: Mesh) -> None:
     def step(bad: bool) -> float:
         import torch

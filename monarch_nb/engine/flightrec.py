@@ -405,15 +405,24 @@ class StrictCheck:
                 pass
         return out
 
-    def end(self, reason: str) -> None:
+    def end(self, reason: str, members: dict[str, tuple[int, ...]] | None = None) -> None:
         """The call is over on this rank: peers still waiting on a collective
-        of it learn so (written where their next entry would be)."""
+        of it learn so (written where their next entry would be). Every
+        group this rank belongs to gets the note, those it made no collective
+        on in this call included (``members``: group -> ranks, as the
+        recorder learnt them; the default group always): a rank that skips
+        the only collective of a call must still release its peers."""
         try:
             store = self._store()
         except Exception:
             return
         gen = int(_context._state.get("generation", 0))
-        for group, index in self.counts.items():
+        nexts = dict(self.counts)
+        nexts.setdefault(flight.DEFAULT_GROUP, 0)
+        for group, ranks in (members or {}).items():
+            if self.rank in ranks:
+                nexts.setdefault(group, 0)
+        for group, index in nexts.items():
             try:
                 store.set(self._key(gen, group, index, self.rank), json.dumps(["end", reason]))
             except Exception:
@@ -449,7 +458,8 @@ def begin_check(call: int, recorder: Recorder = RECORDER) -> None:
 def end_check(ok: bool, recorder: Recorder = RECORDER) -> None:
     check, recorder.check = recorder.check, None
     if check is not None:
-        check.end("finished the call without it" if ok else "failed before reaching it")
+        check.end("finished the call without it" if ok else "failed before reaching it",
+                  dict(recorder.members))
 
 
 __all__ = ["Recorder", "RECORDER", "install", "uninstall", "call_begin", "call_end",
