@@ -134,6 +134,35 @@ def test_the_dashboard_badge_shows_a_desync_while_the_cell_blocks(mesh: Mesh,
     in_step(mesh)
 
 
+P2P = """\
+import os, time, torch, torch.distributed as dist, monarch_nb as mnb
+if mnb.rank() == 0:
+    dist.recv(torch.zeros(4), src=1)
+elif mnb.rank() == 1:
+    while not os.path.exists(FLAG):
+        time.sleep(0.05)
+    dist.send(torch.ones(4), dst=0)
+"""
+
+
+def test_a_recv_waiting_for_its_sender(mesh: Mesh, tmp_path: Path) -> None:
+    flag = tmp_path / "go"
+    fut = mesh.exec(P2P.replace("FLAG", repr(str(flag))), name="<mnb-cell-11>", block=False)
+    try:
+        def waiting() -> object:
+            rep = mesh.collectives()
+            return rep if any(f.kind == "p2p" for f in rep.findings) else None
+
+        report = wait_for(waiting, timeout=30, interval=0.2, what="rank 0 in recv")
+        assert "rank 0 waits in recv(float32[4], src=1) (<mnb-cell-11> line 3)" in \
+            report.summary(), report  # type: ignore[attr-defined]
+    finally:
+        flag.touch()
+        mesh.wait(fut, 30)
+    assert mesh.collectives().ok
+    in_step(mesh)
+
+
 def test_strict_mode_fails_a_shape_mismatch_at_once(mesh: Mesh) -> None:
     code = ("import torch, torch.distributed as dist, monarch_nb as mnb\n"
             "x = torch.ones(4 if mnb.rank() == 1 else 8)\n"
