@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import json
+import os
 import queue
 import re
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 
@@ -454,6 +457,13 @@ def test_check_collectives_and_the_collectives_report(mesh: KernelSession) -> No
     assert out.startswith("collectives: the ranks agree"), out
     assert "ranks 0-3: #" in out and "all_reduce(float32[3]) done" in out
     assert "stragglers:" in ok(mesh, "%monarch stragglers").stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        out = ok(mesh, f"%monarch trace {path}").stdout
+        assert out.startswith(f"monarch_nb: trace written to {path} (open it in"), out
+        with open(path) as f:
+            names = {e["name"] for e in json.load(f)["traceEvents"]}
+    assert any(n.startswith("all_reduce #") for n in names), names
     assert_mesh_answers(mesh)
 
 
