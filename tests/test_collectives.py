@@ -371,6 +371,16 @@ def test_a_segfault_is_named_with_the_line(mesh: Mesh) -> None:
     wait_for(lambda: mesh.status()[1]["state"] == "ready", timeout=60, what="rank 1 back")
 
 
+def test_an_abort_is_named_with_the_line(mesh: Mesh) -> None:
+    with pytest.raises(RankErrors) as info:
+        mesh.ranks(2).exec("import os\ndef give_up():\n    os.abort()\ngive_up()\n",
+                           name="<mnb-cell-43>", timeout=60)
+    text = str(info.value)
+    assert ("--- rank 2: RankDied: rank 2 died (killed by SIGABRT): Aborted in give_up "
+            "(<mnb-cell-43> line 3)") in text, text
+    wait_for(lambda: mesh.status()[2]["state"] == "ready", timeout=60, what="rank 2 back")
+
+
 def test_a_memory_error_that_ends_a_rank_is_named(mesh: Mesh, tmp_path: Path) -> None:
     # a rank that cannot go on after a MemoryError (here: it exits, as a
     # framework's error handler does), its traceback in its log
