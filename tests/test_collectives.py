@@ -65,7 +65,9 @@ def test_a_rank_that_skips_a_collective(mesh: Mesh, tmp_path: Path) -> None:
         def stuck() -> object:
             # (not the moment rank 2 is still on its way to the first all_reduce)
             rep = mesh.collectives()
+            # (nor the instant rank 0 is still finishing the first all_reduce)
             return rep if any(f.kind == "missing" and "stuck_here" in f.text
+                              and f.text.startswith("ranks 0,1 wait in")
                               for f in rep.findings) else None
 
         report = wait_for(stuck, timeout=30, interval=0.2, what="ranks 0,1 waiting for rank 2")
@@ -131,6 +133,45 @@ def test_the_dashboard_badge_shows_a_desync_while_the_cell_blocks(mesh: Mesh,
                          for m in sent), timeout=5, what="the badge's delta")
     wait_for(lambda: board.feed.flight["findings"] == [], timeout=20, what="the badge to clear")
     assert board.flight_looks >= 2
+    in_step(mesh)
+
+
+ASYNC = """\
+import os, time, torch, torch.distributed as dist, monarch_nb as mnb
+x = torch.ones(8)
+def stuck_here(flag):
+    while not os.path.exists(flag):
+        time.sleep(0.05)
+if mnb.rank() == 2:
+    stuck_here(FLAG)   # never calls the all_reduce below until the test lets it go
+work = dist.all_reduce(x, async_op=True)   # returns at once, as NCCL's and RCCL's calls do
+work.wait()
+"""
+
+
+def test_an_async_collective_others_never_called(mesh: Mesh, tmp_path: Path) -> None:
+    # what NCCL looks like: the calls return, the ranks block later
+    groups = mesh.collectives().groups
+    before = groups[0].last[0] if groups else None
+    seq = 0 if before is None else before.seq + 1
+    flag = tmp_path / "go"
+    fut = mesh.exec(ASYNC.replace("FLAG", repr(str(flag))), name="<mnb-cell-12>", block=False)
+    try:
+        def enqueued() -> object:
+            rep = mesh.collectives()
+            return rep if any(f.text.startswith("ranks 0,1 enqueued") for f in rep.findings) \
+                else None
+
+        report = wait_for(enqueued, timeout=30, interval=0.2, what="ranks 0,1 in work.wait()")
+        assert report.summary() == [  # type: ignore[attr-defined]
+            f"ranks 0,1 enqueued all_reduce #{seq} (<mnb-cell-12> line 8), which completes "
+            f"only once every member calls it; rank 2 never called it (its last was "
+            f"#{seq - 1} all_reduce): it is in stuck_here (<mnb-cell-12> line 5): "
+            "time.sleep(0.05)"]
+    finally:
+        flag.touch()
+        mesh.wait(fut, 30)
+    assert mesh.collectives().ok
     in_step(mesh)
 
 
@@ -240,7 +281,9 @@ def test_an_extra_collective_on_one_rank(mesh: Mesh) -> None:
     try:
         def stuck() -> object:
             rep = mesh.collectives()
-            return rep if [f.kind for f in rep.findings] == ["missing", "diverged"] else None
+            # (not while ranks 0,1 are still on their way out of the cell)
+            return rep if [f.kind for f in rep.findings] == ["missing", "diverged"] and \
+                "they are idle" in rep.findings[0].text else None
 
         report = wait_for(stuck, timeout=30, interval=0.2, what="rank 2 alone in all_reduce")
         missing, diverged = report.summary()  # type: ignore[attr-defined]

@@ -213,6 +213,22 @@ def test_agreeing_ranks_have_no_finding_and_old_generations_are_ignored() -> Non
     assert analyze({**new, 3: old}).ok
 
 
+def test_an_enqueued_collective_others_never_called() -> None:
+    # NCCL: the call returns once enqueued; ranks 0,1,3 block later, at a sync
+    done = [rec("all_reduce", s) for s in range(58)]
+    tails = {r: tail(r, *done, rec("all_reduce", 58, state="issued")) for r in (0, 1, 3)}
+    tails[2] = tail(2, *done)
+    busy = {r: stack_at(r, [[CELL, 13, "<module>", "x.item()"]], busy=5) for r in (0, 1, 3)}
+    report = analyze(tails, {**busy, 2: sleeping(2)})
+    assert report.summary() == [
+        "ranks 0,1,3 enqueued all_reduce #58 (<mnb-cell-7> line 12), which completes only "
+        "once every member calls it; rank 2 never called it (its last was #57 all_reduce): "
+        "it is in stuck_here (<mnb-cell-7> line 9): time.sleep(600)"]
+    # the same records with ranks 0,1,3 idle (their call returned): nothing stuck
+    idle = {r: stack_at(r, [], busy=0) for r in (0, 1, 3)}
+    assert analyze(tails, {**idle, 2: sleeping(2)}).ok
+
+
 def test_silent_ranks_and_every_member_waiting() -> None:
     tails = {r: tail(r, rec("all_reduce", 0, state="in flight"), world=2) for r in (0, 1)}
     report = analyze(tails, silent={2: "dead"})

@@ -18,6 +18,12 @@ number per group. Lined up by that number, per group:
 * **missing**: a collective some members wait in and others never entered,
   with where those are (their stack): ``ranks 0,1,3 wait in all_reduce #58;
   rank 2 never entered it: it is in stuck_here (<mnb-cell-7> line 9)``.
+  On NCCL and RCCL (and for ``async_op=True``) a collective call returns
+  once the op is enqueued, and the rank blocks later, at its next sync: so
+  members that are past a collective others never called, while still
+  running their call, are reported the same way (``ranks 0,1,3 enqueued
+  all_reduce #58 ...``). A synchronous collective (gloo's) cannot be done on
+  one member before every member entered it, so this never fires there.
 
 Stragglers (:func:`stragglers`): per rank, the time between its collectives
 (computing) and in them (waiting), over the recent window; a rank whose
@@ -233,7 +239,38 @@ def _group_findings(group: str, ranks: tuple[int, ...], per_rank: dict[int, dict
         elif first_sig is None and len(inside) == len(ranks):
             out.append(Finding("waiting", group, seq, head + ": every member is in it; the "
                                "transport is stuck or a peer is slow inside it"))
+    elif stacks:
+        out.extend(_enqueued_findings(group, per_rank, last, stacks))
     return out
+
+
+def _enqueued_findings(group: str, per_rank: dict[int, dict[int, OpRecord]],
+                       last: dict[int, OpRecord | None],
+                       stacks: Mapping[int, RankStacks]) -> list[Finding]:
+    """Nothing in flight, yet some members are past a collective others
+    never called, and those ahead still run their call: an asynchronous
+    collective (NCCL, RCCL, ``async_op=True``) the others never joined."""
+    reached = {r: rec.seq for r, rec in last.items() if rec is not None}
+    if not reached:
+        return []
+    seq = max(reached.values())
+    ahead = sorted(r for r, s in reached.items() if s == seq)
+    behind = sorted(r for r in per_rank if r not in ahead)
+    if not behind or not all(r in stacks and stacks[r].busy for r in ahead):
+        return []
+    rec = last[ahead[0]]
+    assert rec is not None
+    sites = {last[r].where() for r in ahead}  # type: ignore[union-attr]
+    head = (f"{label(ahead)} enqueued {rec.op} #{seq}"
+            + (f" ({rec.where()})" if len(sites) == 1 else "")
+            + ", which completes only once every member calls it")
+    parts = [head]
+    for r in behind:
+        at = last[r]
+        got = f"its last was #{at.seq} {at.op}" if at is not None else "it made none yet"
+        parts.append(f"rank {r} never called it ({got}): it is {_where(stacks[r].where())}"
+                     if r in stacks else f"rank {r} never called it ({got})")
+    return [Finding("missing", group, seq, "; ".join(parts))]
 
 
 def _where(where: str) -> str:

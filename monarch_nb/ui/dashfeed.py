@@ -115,12 +115,13 @@ def flight_view(report: CollectiveReport, pace: StragglerReport | None) -> dict[
 
 
 def _waited(report: CollectiveReport, group: str, seq: int | None, p2p: bool) -> float:
-    """How long the longest-waiting rank has been in collective ``seq`` of
-    ``group`` (by its own clock when it answered)."""
+    """How long ago the first rank to reach collective ``seq`` of ``group``
+    called it (by its own clock when it answered): in it still, or past it
+    with the op enqueued (NCCL, RCCL)."""
     waited = 0.0
     for tail in report.tails.values():
         for rec in tail.ops:
-            if rec.t1 is None and rec.group == group and rec.seq == seq and rec.p2p == p2p:
+            if rec.group == group and rec.seq == seq and rec.p2p == p2p:
                 waited = max(waited, tail.now - rec.t0)
     return waited
 
