@@ -325,6 +325,17 @@ def test_the_badge_shows_the_findings_and_the_slow_ranks() -> None:
     assert feed.next() is None  # sent once
     feed.flight = NO_FLIGHT
     assert feed.next() == {"t": "delta", "flight": NO_FLIGHT}  # cleared
+    # a recv in flight for 0.1 s is not news, whatever an older recv of the
+    # same number (from another peer, long done) says
+    old = OpRecord(op="recv", group="0", seq=0, peer=3, t0=900.0, t1=901.0)
+    new = OpRecord(op="recv", group="0", seq=0, peer=1, t0=999.9, t1=None, state="in flight")
+    p2p = {0: RankTail(0, [old, new], {"0": (0, 1, 2, 3)}, now=1000.0)}
+    found = analyze(p2p)
+    assert [f.kind for f in found.findings] == ["p2p"]
+    assert flight_view(found, None) == NO_FLIGHT
+    p2p[0].now = 1000.0 + BADGE_WAIT_S
+    assert flight_view(found, None)["findings"] == [
+        "rank 0 waits in recv(src=1) (an unknown place)"]
 
 
 def test_the_recorders_are_read_while_calls_run_and_once_after() -> None:

@@ -117,11 +117,14 @@ def flight_view(report: CollectiveReport, pace: StragglerReport | None) -> dict[
 def _waited(report: CollectiveReport, group: str, seq: int | None, p2p: bool) -> float:
     """How long ago the first rank to reach collective ``seq`` of ``group``
     called it (by its own clock when it answered): in it still, or past it
-    with the op enqueued (NCCL, RCCL)."""
+    with the op enqueued (NCCL, RCCL). Records of an earlier generation
+    (numbers start again at each re-formation) and finished p2p ops
+    (numbered per peer) are not that collective."""
     waited = 0.0
     for tail in report.tails.values():
         for rec in tail.ops:
-            if rec.group == group and rec.seq == seq and rec.p2p == p2p:
+            if rec.group == group and rec.seq == seq and rec.p2p == p2p \
+                    and rec.generation == tail.generation and (rec.t1 is None or not p2p):
                 waited = max(waited, tail.now - rec.t0)
     return waited
 
