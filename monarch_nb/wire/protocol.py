@@ -66,13 +66,12 @@ Buffer = bytes | bytearray | memoryview
 class Kind(str, enum.Enum):
     """Message kinds. Controller -> rank first, then rank -> controller."""
 
-    CALL = "call"  # run a pickled function (payload: fn, args, kwargs; meta check: strict mode)
+    CALL = "call"  # run a pickled function (payload: fn, args, kwargs)
     EXEC = "exec"  # run cell code (meta: code, name, setup)
     INTERRUPT = "interrupt"  # raise KeyboardInterrupt in the main thread for call c
     PING = "ping"  # controller liveness; ranks exit when pings stop
     STOP = "stop"  # leave cleanly
-    STACKS = "stacks"  # return every thread's stack (meta flight: N: also the collective
-    # flight recorder's newest N records, as a JSON payload frame)
+    STACKS = "stacks"  # return every thread's stack
 
     HELLO = "hello"  # rank process is up (meta: pid, incarnation, host)
     READY = "ready"  # rank joined torch.distributed (meta: device, backend)
