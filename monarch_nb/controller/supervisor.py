@@ -180,7 +180,7 @@ class Supervisor:
                 spares.discard(candidate)
         from_spare = popen is not None
         if popen is None:
-            log = open(log_path, "ab", buffering=0)
+            log = open(log_path, "ab", buffering=0, opener=config.private)
             try:
                 popen = self.spawner.call(self.launcher.start, rank, env, log)
             finally:
