@@ -154,20 +154,23 @@ def test_an_async_collective_others_never_called(mesh: Mesh, tmp_path: Path) -> 
     groups = mesh.collectives().groups
     before = groups[0].last[0] if groups else None
     seq = 0 if before is None else before.seq + 1
+    last = "it made none yet" if seq == 0 else f"its last was #{seq - 1} all_reduce"
     flag = tmp_path / "go"
     fut = mesh.exec(ASYNC.replace("FLAG", repr(str(flag))), name="<mnb-cell-12>", block=False)
     try:
         def enqueued() -> object:
             rep = mesh.collectives()
-            return rep if any(f.text.startswith("ranks 0,1 enqueued") for f in rep.findings) \
-                else None
+            # settled: ranks 0,1 past the call, rank 2 in its loop (not still on
+            # the cell's first lines, which a busy machine can catch)
+            return rep if any(f.text.startswith("ranks 0,1 enqueued") and "stuck_here" in f.text
+                              for f in rep.findings) else None
 
-        report = wait_for(enqueued, timeout=30, interval=0.2, what="ranks 0,1 in work.wait()")
+        report = wait_for(enqueued, timeout=30, interval=0.2,
+                          what="ranks 0,1 in work.wait(), rank 2 in stuck_here")
         assert report.summary() == [  # type: ignore[attr-defined]
             f"ranks 0,1 enqueued all_reduce #{seq} (<mnb-cell-12> line 8), which completes "
-            f"only once every member calls it; rank 2 never called it (its last was "
-            f"#{seq - 1} all_reduce): it is in stuck_here (<mnb-cell-12> line 5): "
-            "time.sleep(0.05)"]
+            f"only once every member calls it; rank 2 never called it ({last}): it is in "
+            "stuck_here (<mnb-cell-12> line 5): time.sleep(0.05)"]
     finally:
         flag.touch()
         mesh.wait(fut, 30)
