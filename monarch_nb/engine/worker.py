@@ -44,7 +44,7 @@ from .. import config
 from ..backends import JoinAborted, JoinFailed, init_group, leave_group
 from ..config import RankEnv
 from ..errors import is_peer_loss
-from ..wire import serialize
+from ..wire import serialize, shm
 from ..wire.metricframes import encode as encode_metrics
 from ..wire.protocol import Codec, Kind, Message
 from ..wire.transport import dealer, recv_verified, send_frames, socket_send
@@ -99,6 +99,11 @@ class Worker:
         # served first, in order, once the current call is over.
         self.pending: collections.deque[Message] = collections.deque()
         self.finished: collections.deque[int] = collections.deque(maxlen=4096)
+        # Shared memory with the controller (wire/shm.py): only a rank on its
+        # controller's host, which knows the controller's pid, uses it. The
+        # segments of results sent, by token, until the controller's RELEASE.
+        self.shm_peer = env.parent_pid if env.shm_threshold is not None else None
+        self.segments: dict[str, shm.Segment] = {}
         self.stopping = False
         self.main_thread_id = threading.get_ident()
         self.last_ping = time.monotonic()
@@ -190,7 +195,12 @@ class Worker:
                     self.cancelled.discard(call)
                     raise KeyboardInterrupt("interrupted before it started")
                 if msg.kind == Kind.CALL:
-                    fn, args, kwargs = self.calls.load(msg.payload)
+                    frames = msg.payload
+                    if "shm" in msg.meta:  # verified message: map the big frames
+                        frames = shm.attach(frames, msg.meta["shm"], peer_pid=self.shm_peer,
+                                            mesh_id=self.env.mesh_id,
+                                            max_bytes=self.env.max_message_bytes)
+                    fn, args, kwargs = self.calls.load(frames)
                     value = fn(*args, **kwargs)
                 else:
                     value = self._run_cell(msg.meta["code"], msg.meta.get("name", "<mnb-cell>"))
@@ -250,6 +260,13 @@ class Worker:
         if tail:  # output text travels as a JSON frame, never in the header
             meta["o"] = 1
             payload = [_json(tail), *payload]
+        threshold = self.env.shm_threshold
+        if self.shm_peer is not None and threshold is not None and payload and any(
+                memoryview(p).nbytes >= threshold for p in payload):
+            payload, desc, seg = shm.pack(payload, self.env.mesh_id, threshold)
+            if seg is not None and desc is not None:
+                self.segments[desc["tok"]] = seg  # closed on the controller's RELEASE
+                meta["shm"] = desc
         if payload:
             self._send_main(Kind.RESULT, payload, call=call, meta=meta)
         else:  # one frame: no send_frames loop
@@ -390,7 +407,8 @@ class Worker:
     def _describe(self, exc: BaseException) -> dict[str, str]:
         tb = exc.__traceback__
         # Hide the worker's own frames: the user wants their code, not ours.
-        while tb is not None and tb.tb_frame.f_code.co_filename in (_WORKER_FILE, serialize.__file__):
+        while tb is not None and tb.tb_frame.f_code.co_filename in (_WORKER_FILE, serialize.__file__,
+                                                                    shm.__file__):
             tb = tb.tb_next
         text = "".join(traceback.format_exception(type(exc), exc, tb))
         name = type(exc).__qualname__
@@ -483,6 +501,10 @@ class Worker:
                                  "busy": self.running_call})
         elif msg.kind == Kind.INPUT:
             self.stdin.answer(str(msg.meta.get("text", "")))
+        elif msg.kind == Kind.RELEASE:  # the controller mapped a result's segment
+            seg = self.segments.pop(str(msg.meta.get("tok", "")), None)
+            if seg is not None:
+                seg.close()
 
     def _send_ctl(self, kind: Kind, *, call: int = 0, meta: dict[str, Any] | None = None,
                   payload: list[Any] | None = None) -> None:
