@@ -130,11 +130,15 @@ def test_pull_and_big_results_come_back_by_shared_memory(mesh4: Mesh) -> None:
     assert mesh4.dataplane["mapped"] == before["mapped"] + 8
     for r in range(4):
         assert tens[r].dtype == torch.float32 and torch.equal(tens[r], torch.full((BIG // 4,), 2.0 * r))
+    # with output ahead of the value in the same RESULT (the frames move one down)
+    said = mesh4.run(lambda: (print("here it comes"), __import__("__main__").big)[1])
+    assert mesh4.dataplane["mapped"] == before["mapped"] + 12
+    assert all((said[r] == r).all() for r in range(4))
     # each rank closed its segments once the controller had mapped them (RELEASE)
     wait_for(lambda: settled(mesh4), timeout=10, what="the ranks to release their segments")
     stats = rank_stats(mesh4)
     for r in range(4):
-        assert stats[r]["created"] == stats[r]["released"] >= 2
+        assert stats[r]["created"] == stats[r]["released"] >= 3
 
 
 def test_big_call_arguments_go_by_shared_memory(mesh4: Mesh) -> None:
@@ -332,6 +336,27 @@ def test_no_shared_memory_falls_back_to_the_sockets_with_one_notice(
     notices = [line for line in err.splitlines() if "shared memory unavailable" in line]
     assert len(notices) == 1, err
     assert "through the sockets" in notices[0]
+
+
+def test_a_rank_without_shared_memory_sends_its_result_by_socket(
+        mesh4: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+    mesh4[3].exec("import os, errno\n_real_memfd = os.memfd_create\n"
+                  "def _full(*a):\n    raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))\n"
+                  "os.memfd_create = _full\n"
+                  f"import numpy as np\nfbr = np.arange({BIG // 8}, dtype=np.float64)")
+    try:
+        mapped = mesh4.dataplane["mapped"]
+        got = mesh4[3].pull("fbr")[3]
+        got2 = mesh4[3].pull("fbr")[3]
+        assert got.sum() == got2.sum() == np.arange(BIG // 8, dtype=np.float64).sum()
+        assert mesh4.dataplane["mapped"] == mapped  # it came by socket
+        assert mesh4[3].exec("__import__('monarch_nb.wire.shm').wire.shm.stats['fallback']")[3] >= 2
+    finally:
+        mesh4[3].exec("os.memfd_create = _real_memfd")
+    out = capsys.readouterr()
+    notices = [line for line in (out.out + out.err).splitlines()
+               if "shared memory unavailable" in line]
+    assert len(notices) == 1, out
 
 
 # -- nothing leaks ------------------------------------------------------------------------------

@@ -257,16 +257,22 @@ class Worker:
                 }
         if meta.get("ok", True) is False:
             meta["error"] = error
-        if tail:  # output text travels as a JSON frame, never in the header
-            meta["o"] = 1
-            payload = [_json(tail), *payload]
         threshold = self.env.shm_threshold
         if self.shm_peer is not None and threshold is not None and payload and any(
                 memoryview(p).nbytes >= threshold for p in payload):
-            payload, desc, seg = shm.pack(payload, self.env.mesh_id, threshold)
+            notes: list[str] = []  # a fallback's notice goes into this call's output
+            payload, desc, seg = shm.pack(payload, self.env.mesh_id, threshold, notes.append)
             if seg is not None and desc is not None:
                 self.segments[desc["tok"]] = seg  # closed on the controller's RELEASE
                 meta["shm"] = desc
+            if notes:
+                tail = [*tail, *(["stderr", line + "\n"] for line in notes)]
+        if tail:  # output text travels as a JSON frame, never in the header
+            meta["o"] = 1
+            payload = [_json(tail), *payload]
+            if "shm" in meta:  # the frames' positions move one down
+                for where in meta["shm"]["at"]:
+                    where[0] += 1
         if payload:
             self._send_main(Kind.RESULT, payload, call=call, meta=meta)
         else:  # one frame: no send_frames loop

@@ -53,7 +53,7 @@ import secrets
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 THRESHOLD = 1 << 20  # frames at least this big go through shared memory (default)
@@ -99,13 +99,15 @@ class Segment:
         self.close()
 
 
-def pack(payload: Sequence[Any], mesh_id: str,
-         threshold: int = THRESHOLD) -> tuple[list[Any], dict[str, Any] | None, Segment | None]:
+def pack(payload: Sequence[Any], mesh_id: str, threshold: int = THRESHOLD,
+         notice: Callable[[str], None] | None = None,
+         ) -> tuple[list[Any], dict[str, Any] | None, Segment | None]:
     """Move the frames of ``payload`` of at least ``threshold`` bytes into a
     new sealed memory file. Returns the frames left for the socket, the
     descriptor for the signed meta and the segment to close once every
     receiver answered; ``(payload, None, None)`` when nothing is big enough
-    or the file cannot be made (then a one-line notice, once per process)."""
+    or the file cannot be made (then a one-line notice, once per process,
+    to ``notice`` or else to stderr)."""
     sizes = [memoryview(p).nbytes for p in payload]
     big = [i for i, n in enumerate(sizes) if n >= threshold]
     if not big:
@@ -120,7 +122,7 @@ def pack(payload: Sequence[Any], mesh_id: str,
     try:
         fd = os.memfd_create("monarch-nb", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
-        _fallback(exc)
+        _fallback(exc, notice)
         return list(payload), None, None
     try:
         os.fchmod(fd, 0o600)
@@ -131,7 +133,7 @@ def pack(payload: Sequence[Any], mesh_id: str,
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)
     except OSError as exc:  # ENOSPC/ENOMEM writing the pages, mostly
         os.close(fd)
-        _fallback(exc)
+        _fallback(exc, notice)
         return list(payload), None, None
     seg = Segment(fd, token, size)
     stats["created"] += 1
@@ -194,7 +196,7 @@ def _write_all(fd: int, data: Any, offset: int) -> None:
         done += os.pwrite(fd, view[done:done + _CHUNK], offset + done)
 
 
-def _fallback(exc: OSError) -> None:
+def _fallback(exc: OSError, notice: Callable[[str], None] | None) -> None:
     global _noticed
     # Whatever the reason (ENOMEM, ENOSPC, EPERM, EMFILE, ...): shared
     # memory is an optimisation, never an error.
@@ -203,8 +205,12 @@ def _fallback(exc: OSError) -> None:
         if _noticed:
             return
         _noticed = True
-    print(f"monarch_nb: shared memory unavailable ({exc.strerror or exc}); large values go "
-          "through the sockets instead", file=sys.stderr)
+    line = (f"monarch_nb: shared memory unavailable ({exc.strerror or exc}); large values go "
+            "through the sockets instead")
+    if notice is not None:
+        notice(line)
+    else:
+        print(line, file=sys.stderr)
 
 
 def _check(desc: Any, peer_pid: int | None, mesh_id: str, max_bytes: int,
