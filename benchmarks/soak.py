@@ -215,7 +215,9 @@ def soak(calls: int, respawns: int, cycles: int, ranks: int = 2, sample_every: i
 
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
     rng = random.Random(seed)
-    opts = {"n": ranks, "backend": "cpu", **(mesh_options or {})}
+    # every respawn is one rank's: a long run's would spend the default
+    # budget (5 in 10 min) and end in a give-up, which is not what is measured
+    opts = {"n": ranks, "backend": "cpu", "restart_budget": respawns + 5, **(mesh_options or {})}
     kill_at = _spread(respawns, calls, 0.3)
     cycle_at = _spread(cycles, calls, 0.7)
     mix = _mixed_kinds()

@@ -297,3 +297,9 @@ def ssh_template() -> list[str]:
 
 def default_cpu_ranks() -> int:
     return max(1, min(4, os.cpu_count() or 1))
+
+
+def private(path: str, flags: int) -> int:
+    """``open(..., opener=private)``: a new file is created 0600 (rank logs
+    hold whatever the user's code prints)."""
+    return os.open(path, flags, 0o600)

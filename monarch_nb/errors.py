@@ -93,6 +93,7 @@ class RankDied(MonarchError):
     incarnation: int = 0
     silent_for: float | None = None  # set when killed for missing heartbeats
     frozen: str = ""  # what the OS said of it then ("stopped by a signal")
+    cause_hint: str = ""  # why, when the controller could tell (controller/deathcause.py)
 
     def __post_init__(self) -> None:
         Exception.__init__(self, self.rank, self.exitcode, self.signal_name)
@@ -110,10 +111,12 @@ class RankDied(MonarchError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (RankDied, (self.rank, self.exitcode, self.signal_name, self.last_lines,
-                           self.incarnation, self.silent_for, self.frozen))
+                           self.incarnation, self.silent_for, self.frozen, self.cause_hint))
 
     def __str__(self) -> str:
         text = f"rank {self.rank} died ({self.cause})"
+        if self.cause_hint:
+            text += f": {self.cause_hint}"
         if self.last_lines:
             tail = "\n".join("    " + line for line in self.last_lines)
             text += f"; its last output:\n{tail}"
@@ -154,6 +157,26 @@ def collective_hint(where: Mapping[int, str]) -> str:
             "collective: the group is out of step and the next collective may hang. Re-form it "
             "with %monarch restart all (mesh.restart('all'); variables on the ranks are lost, "
             "--setup cells are replayed).")
+
+
+def no_free_port(what: str) -> UsageError:
+    """Binding ``what`` to a port the kernel picks failed: every port of the
+    local port range is in use (or the range is tiny)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = f.read().split()
+        span = f"the local port range ({lo}-{hi}, net.ipv4.ip_local_port_range)"
+    except (OSError, ValueError):
+        span = "the local port range"
+    return UsageError(f"no free port for {what}: every port of {span} is in use; close what "
+                      "holds them, or widen the range (sysctl -w "
+                      "net.ipv4.ip_local_port_range=\"32768 60999\")")
+
+
+class CollectiveMismatch(MonarchError, RuntimeError):
+    """Raised on the ranks, in strict mode (``check_collectives=True``), when
+    the members of a group are about to call different collectives (op,
+    dtypes, shapes or root differ). Every rank raises the same text."""
 
 
 class CallTimeout(MonarchError):

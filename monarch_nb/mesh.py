@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import concurrent.futures
 import itertools
+import json
 import signal as signal_mod
 import sys
 import time
@@ -27,9 +28,17 @@ from typing import Any
 
 from . import backends
 from .config import MeshConfig, check_hang_timeout
-from .controller import launchers, limits
+from .controller import launchers, limits, timeline
+from .controller.collectives import (
+    STRAGGLER_FACTOR,
+    WINDOW_STEPS,
+    CollectiveReport,
+    RankTail,
+    StragglerReport,
+)
+from .controller.collectives import stragglers as find_stragglers
 from .controller.core import Controller, Event, RankInfo, RankState
-from .controller.inspector import STACKS_TIMEOUT_S
+from .controller.inspector import STACKS_TIMEOUT_S, collective_report
 from .controller.metricstore import MetricsStore, health_fields
 from .controller.output import CallOutput
 from .engine.debug import post_mortem as _post_mortem
@@ -42,6 +51,7 @@ from .errors import (
     UsageError,
     collective_hint,
 )
+from .flight import RING_SIZE
 from .futures import MeshFuture
 from .results import RankResults
 from .selection import format_ranks, parse_ranks
@@ -63,13 +73,19 @@ class _RankSet:
     # -- calls ------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
             elastic: bool = False, hang_timeout: float | None = None,
-            **kwargs: Any) -> RankResults:
+            check_collectives: bool = False, **kwargs: Any) -> RankResults:
         """Run ``fn(*args, **kwargs)`` on every selected rank and wait.
         ``elastic=True``: a rank that dies is respawned and the call re-issued
         on it; the survivors carry on (inside ``mnb.elastic.run``).
         ``hang_timeout``: print where the ranks are after that many seconds
-        without progress (default: the mesh's, 60 s)."""
-        meta = {"elastic": True} if elastic else None
+        without progress (default: the mesh's, 60 s).
+        ``check_collectives=True``: before each collective the ranks compare
+        op, dtypes and shapes; a difference fails the call at once on every
+        rank (``CollectiveMismatch``) instead of hanging (slower: a store
+        round trip per collective)."""
+        meta: dict[str, Any] | None = {"elastic": True} if elastic else None
+        if check_collectives:
+            meta = {**(meta or {}), "check": 1}
         return self._mesh._call(Kind.CALL, self._sel, _call_payload(fn, args, kwargs), meta,
                                 timeout, hang_timeout)
 
@@ -95,14 +111,17 @@ class _RankSet:
 
     def exec(self, code: str, setup: bool = False, *, timeout: float | None = None,
              name: str | None = None, block: bool = True, elastic: bool = False,
-             hang_timeout: float | None = None) -> Any:
+             hang_timeout: float | None = None, check_collectives: bool = False) -> Any:
         """Run cell ``code`` on the selected ranks; RankResults of each rank's
         last expression. The code is syntax-checked here first, so a typo
-        costs no round trip and shows the line."""
+        costs no round trip and shows the line. ``check_collectives``: as
+        for :meth:`run`."""
         check_hang_timeout(hang_timeout)
         meta = _exec_meta(code, setup, name)
         if elastic:
             meta["elastic"] = True
+        if check_collectives:
+            meta["check"] = 1
         if not block:
             return self._mesh._live().submit(Kind.EXEC, self._sel, [], meta, CallOutput(),
                                              hang_timeout)
@@ -138,6 +157,63 @@ class _RankSet:
         native frames where py-spy is installed."""
         sel = self._sel if ranks is None else self.ranks(ranks).rank_ids
         return self._mesh._live().request_stacks_blocking(sel, timeout, native)
+
+    def collectives(self, ranks: Any = None, *, timeout: float = STACKS_TIMEOUT_S,
+                    records: int = RING_SIZE) -> CollectiveReport:
+        """What the ranks' collective flight recorders say, side by side:
+        per group, the last collective each rank reached; the first one
+        where they called different collectives (op, dtypes, shapes) or the
+        same one from different lines; a collective some ranks wait in that
+        others never entered, and where those are. Asked of each rank's
+        control thread, so it works while the ranks are stuck. (Calls that
+        skip ``torch.distributed``'s functions, such as DDP's, are not seen.)
+        ``records``: how many of each rank's newest records to read (the
+        dashboard reads fewer, often)."""
+        stacks = self._flight(ranks, timeout, records)
+        return collective_report(stacks)
+
+    def stragglers(self, ranks: Any = None, *, window_steps: int = WINDOW_STEPS,
+                   factor: float = STRAGGLER_FACTOR,
+                   timeout: float = STACKS_TIMEOUT_S,
+                   report: CollectiveReport | None = None) -> StragglerReport:
+        """Per rank, the time spent computing (between collectives) and
+        waiting (inside them) over the last ``window_steps`` steps (as
+        ``mnb.log`` counts them; else that many collectives); a rank whose
+        computing time is ``factor`` x the others' median is flagged
+        (``.slow``): the others wait for it in every collective.
+        ``report``: a :meth:`collectives` report to read the records from,
+        instead of asking the ranks again."""
+        if report is not None:
+            tails = dict(report.tails)
+        else:
+            stacks = self._flight(ranks, timeout)
+            tails = {r: RankTail.from_wire(r, st.flight) for r, st in stacks.items()
+                     if st.flight is not None}
+        now = time.monotonic()
+        rates = {r: self._mesh._ctl.metrics.steps_per_s(r, now) for r in tails}
+        return find_stragglers(tails, rates, window_steps, factor)
+
+    def trace(self, path: str, ranks: Any = None, *, timeout: float = STACKS_TIMEOUT_S) -> str:
+        """Write a Chrome / Perfetto trace (JSON ``traceEvents``) of the
+        recent past: per rank a track with its calls (cells, ``mesh.run``)
+        and collectives, its ``mnb.log`` steps, and the mesh's deaths,
+        respawns and re-formations. Open it in https://ui.perfetto.dev or
+        chrome://tracing. Returns ``path``."""
+        stacks = self._flight(ranks, timeout)
+        tails = {r: RankTail.from_wire(r, st.flight) for r, st in stacks.items()
+                 if st.flight is not None}
+        ctl = self._mesh._ctl
+        steps = {r: ctl.metrics.step_marks(r) for r in tails}
+        doc = timeline.chrome_trace(tails, self._mesh.events, steps,
+                                    title=f"monarch_nb mesh of {self._mesh.world_size}")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+        return path
+
+    def _flight(self, ranks: Any, timeout: float, records: int = RING_SIZE) -> Stacks:
+        sel = self._sel if ranks is None else self.ranks(ranks).rank_ids
+        return self._mesh._live().request_stacks_blocking(sel, timeout,
+                                                          flight=max(1, int(records)))
 
     # -- selection ----------------------------------------------------------
     def ranks(self, spec: Any) -> SubMesh:

@@ -35,6 +35,7 @@ class RankStacks:
     threads: list[dict[str, Any]] = field(default_factory=list)
     busy: int = 0  # the call the main thread runs, 0 when idle
     native: str = ""  # py-spy's dump, when asked for and available
+    flight: dict[str, Any] | None = None  # its flight recorder's tail, when asked for
 
     @property
     def main(self) -> list[list[Any]]:
@@ -98,7 +99,11 @@ def _key(frames: list[list[Any]]) -> tuple[Any, ...]:
 
 
 class Stacks(dict[int, RankStacks]):
-    """``mesh.stacks()``: rank -> :class:`RankStacks`, printed grouped."""
+    """``mesh.stacks()``: rank -> :class:`RankStacks`, printed grouped.
+    ``collectives``: what the ranks' flight recorders say is wrong, one line
+    per finding (controller/collectives.py); printed first."""
+
+    collectives: tuple[str, ...] | list[str] = ()  # (class default; set per instance)
 
     def groups(self) -> list[tuple[list[int], RankStacks]]:
         """Ranks whose main threads stand in the same place, with one
@@ -151,6 +156,9 @@ class Stacks(dict[int, RankStacks]):
 
     def render(self, all_threads: bool = True) -> str:
         out: list[str] = []
+        if self.collectives:
+            out.append("collectives (flight recorder):")
+            out.extend(f"  {line}" for line in self.collectives)
         for ranks, st in self.groups():
             out.append(f"{_label(ranks)}: {st.where()}")
             for f in st.main:

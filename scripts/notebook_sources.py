@@ -425,6 +425,78 @@ dist.all_reduce(x)
 x.item()
 """),
     md("""
+## Which rank, which collective: the flight recorder
+
+Every rank records its last 2,000 `torch.distributed` collectives and point-to-point ops
+(op, group, sequence number, tensor shapes and dtypes, the cell line that called it, its
+state), at about a microsecond per call. `%monarch collectives` (`mesh.collectives()`)
+lines the ranks' records up per group and says where they part. A deliberate desync: on
+rank 3 one step of the loop makes one all_reduce too many, so rank 3 ends up waiting in a
+collective nobody else will call.
+"""),
+    code("""
+%%monarch --no-block -o desync
+for step in range(4):
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    if mnb.rank() == 3 and step == 1:
+        dist.all_reduce(torch.ones(4))   # one extra, on one rank
+"""),
+    md("""
+Ranks 0-2 finish the cell; rank 3 is stuck. The summary names the collective rank 3 waits
+in, where the others are, and the first collective where the ranks' calls came from
+different lines (the same op and shape, so nothing failed: the counts just drifted apart).
+The hang watchdog and `%monarch stacks` print the same lines first; the dashboard shows
+them as a badge.
+"""),
+    code(f"""
+{CHECK}
+def settled():   # rank 3 in its extra all_reduce, ranks 0-2 out of the cell
+    found = mesh.collectives().findings
+    return [f.kind for f in found] == ["missing", "diverged"] and "idle" in found[0].text
+
+deadline = time.monotonic() + 60
+while not settled():
+    if time.monotonic() > deadline:
+        raise RuntimeError("rank 3 did not get stuck within a minute")
+    time.sleep(0.2)
+print("\\n".join(mesh.collectives().summary()))
+"""),
+    md("""
+Here the cure is to let ranks 0-2 make the call rank 3 waits in: the counts agree again
+and the group stays usable.
+"""),
+    code(f"""
+{CHECK}
+mesh.ranks("0-2").exec("dist.all_reduce(torch.ones(4))")
+desync.result(timeout=60)
+mesh.collectives().ok
+"""),
+    md("""
+Strict mode (`--check-collectives`, `check_collectives=True`) compares each collective's op,
+shapes and dtypes across the ranks *before* it runs, as `TORCH_DISTRIBUTED_DEBUG=DETAIL`
+does, and fails the cell at once on every rank instead of hanging or returning garbage.
+Rank 3 passes the wrong shape:
+"""),
+    code("""
+%%monarch --check-collectives
+x = torch.ones(8 if mnb.rank() != 3 else 4)
+dist.all_reduce(x)
+""", "raises-exception"),
+    md("Nothing was sent, so the group is still in step:"),
+    code(f"""
+%%monarch
+{CHECK}
+x = torch.ones(1)
+dist.all_reduce(x)
+x.item()
+"""),
+    md("""
+`%monarch stragglers` (`mesh.stragglers()`) splits each rank's time into computing and
+waiting in collectives and flags a rank that is consistently slower than the others;
+`%monarch trace PATH` (`mesh.trace(path)`) writes the session's cells, collectives, steps,
+deaths and respawns as a Chrome/Perfetto trace.
+
 ## The hang watchdog
 
 A cell that makes no progress (no output, no metric, no rank returning) for

@@ -10,6 +10,7 @@ in CI (``CI=true``) it runs, and fails if it cannot.
 from __future__ import annotations
 
 import pathlib
+import re
 import time
 from collections.abc import Iterator
 
@@ -96,4 +97,73 @@ def test_dashboard_in_jupyterlab(lab: tuple[str, str]) -> None:
                 timeout=120_000)
             page.get_by_text("monarch_nb: stopped 4 ranks").wait_for(timeout=60_000)
         finally:
+            browser.close()
+
+
+BADGE_SHOT = screenshot_path("collectives-badge.png")
+
+DESYNC = """\
+%%monarch
+import os, time, torch, torch.distributed as dist
+import monarch_nb as mnb
+for step in range(25):
+    time.sleep(0.09 if mnb.rank() == 1 else 0.03)   # rank 1: 3x the work
+    x = torch.ones(16)
+    dist.all_reduce(x)
+    mnb.log(step=step, loss=1.0 / (step + 1) + 0.02 * mnb.rank())
+def stuck_here(flag):
+    while not os.path.exists(flag):
+        time.sleep(0.05)
+if mnb.rank() == 2:
+    stuck_here(FLAG)   # rank 2 skips the all_reduce below until the test lets it go
+dist.all_reduce(x)
+"""
+
+
+def test_collectives_badge_and_straggler_mark_in_jupyterlab(tmp_path: pathlib.Path) -> None:
+    """A desync while the cell blocks the kernel: the badge says which
+    ranks wait in which collective and where the missing rank is; the
+    straggler's tile is marked. Saves docs/collectives-badge.png."""
+    need_browser()
+    from playwright.sync_api import sync_playwright
+
+    flag = tmp_path / "go"
+    cells = ["%load_ext monarch_nb\n%monarch start -n 3 --backend cpu",
+             DESYNC.replace("FLAG", repr(str(flag))), "%monarch stop"]
+    with jupyter_lab(tmp_path, "desync.ipynb", cells) as (url, token), sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.goto(f"{url}/lab/tree/desync.ipynb?token={token}", timeout=120_000)
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+            page.wait_for_function(
+                "() => { const k = window.jupyterapp?.shell?.currentWidget?.sessionContext"
+                "?.session?.kernel; return k && k.connectionStatus === 'connected' "
+                "&& k.status === 'idle'; }", timeout=120_000)
+            page.locator(".jp-Notebook .jp-Cell").first.click()
+            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+            badge = page.locator(".mnb-badge.on")
+            try:
+                badge.wait_for(timeout=180_000)
+            except Exception:
+                page.screenshot(path=str(ROOT / "browser-failure.png"))
+                raise
+            text = re.sub(r"<mnb-cell-\d+>", "<mnb-cell-N>", badge.inner_text())
+            assert text.startswith("⚠ collectives: 1 finding\n"), text
+            assert "ranks 0,1 wait in all_reduce #25 (<mnb-cell-N> line 13); rank 2 never " \
+                   "entered it (its last was #24 all_reduce): it is in stuck_here " \
+                   "(<mnb-cell-N> line 10): time.sleep(0.05)" in text, text
+            slow = page.locator(".mnb-tile[data-rank='1'] .mnb-slow")
+            slow.wait_for(timeout=30_000)
+            assert slow.inner_text().startswith("slow "), slow.inner_text()
+            assert page.locator(".mnb-slow").count() == 1
+            BADGE_SHOT.parent.mkdir(parents=True, exist_ok=True)
+            page.locator(".mnb-dash").first.screenshot(path=str(BADGE_SHOT))
+            assert BADGE_SHOT.stat().st_size > 10_000
+            flag.touch()  # rank 2 joins: the cell ends
+            page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(
+                timeout=120_000)
+            page.get_by_text("monarch_nb: stopped 3 ranks").wait_for(timeout=60_000)
+        finally:
+            flag.touch()
             browser.close()

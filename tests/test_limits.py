@@ -81,3 +81,38 @@ def test_a_nearly_full_log_directory_earns_a_notice_and_the_mesh_works() -> None
     finally:
         subprocess.run(["umount", where])
         os.rmdir(where)
+
+
+PORTS = textwrap.dedent("""
+    import socket, monarch_nb as mnb
+    held = []
+    for port in range(40000, 40006):  # the whole local port range of this namespace
+        s = socket.socket()
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        held.append(s)
+    try:
+        mnb.Mesh.start(2, backend="cpu", start_timeout=30).stop()
+        print("started")
+    except mnb.UsageError as e:
+        print("refused:", e)
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="network namespaces need root")
+def test_an_exhausted_port_range_is_refused_with_what_to_change() -> None:
+    ns = f"mnbports{os.getpid()}"
+    if subprocess.run(["ip", "netns", "add", ns]).returncode:
+        pytest.skip("cannot create a network namespace here")
+    try:
+        for cmd in (["ip", "link", "set", "lo", "up"],
+                    ["sysctl", "-qw", "net.ipv4.ip_local_port_range=40000 40005"]):
+            subprocess.run(["ip", "netns", "exec", ns, *cmd], check=True)
+        r = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", PORTS],
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        subprocess.run(["ip", "netns", "del", ns])
+    assert ("refused: no free port for the controller on 127.0.0.1: every port of the local "
+            "port range (40000-40005, net.ipv4.ip_local_port_range) is in use") in r.stdout, \
+        r.stdout + r.stderr
+    assert "widen the range" in r.stdout

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import json
+import os
 import queue
 import re
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 
@@ -439,6 +442,28 @@ def test_status_help_and_unknown_subcommand(mesh: KernelSession) -> None:
     r = failed(mesh, "%monarch frobnicate")
     assert "frobnicate" in r.traceback
     assert "help" in r.traceback
+    assert_mesh_answers(mesh)
+
+
+def test_check_collectives_and_the_collectives_report(mesh: KernelSession) -> None:
+    r = failed(mesh, "%%monarch --check-collectives\nimport torch, torch.distributed as dist\n"
+                     "import monarch_nb as mnb\nx = torch.ones(2 if mnb.rank() == 3 else 6)\n"
+                     "dist.all_reduce(x)")
+    assert ("collective 1 of this call: ranks 0-2 called all_reduce(float32[6]) from "
+            "<mnb-cell-") in r.traceback, r.traceback
+    assert "rank 3 called all_reduce(float32[2])" in r.traceback
+    ok(mesh, "%%monarch\nimport torch, torch.distributed as dist\ndist.all_reduce(torch.ones(3))")
+    out = ok(mesh, "%monarch collectives").stdout
+    assert out.startswith("collectives: the ranks agree"), out
+    assert "ranks 0-3: #" in out and "all_reduce(float32[3]) done" in out
+    assert "stragglers:" in ok(mesh, "%monarch stragglers").stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        out = ok(mesh, f"%monarch trace {path}").stdout
+        assert out.startswith(f"monarch_nb: trace written to {path} (open it in"), out
+        with open(path) as f:
+            names = {e["name"] for e in json.load(f)["traceEvents"]}
+    assert any(n.startswith("all_reduce #") for n in names), names
     assert_mesh_answers(mesh)
 
 

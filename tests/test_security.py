@@ -464,6 +464,7 @@ def test_key_is_never_on_a_command_line_and_logs_are_private(mesh4: Mesh) -> Non
     assert stat.S_IMODE(os.stat(sup.log_dir).st_mode) == 0o700
     assert os.stat(sup.log_dir).st_uid == os.getuid()
     for proc in sup.procs.values():
+        assert stat.S_IMODE(os.stat(proc.log_path).st_mode) == 0o600, proc.log_path
         with open(proc.log_path, "rb") as f:
             assert key_hex.encode() not in f.read()
 

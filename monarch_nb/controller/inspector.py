@@ -29,6 +29,7 @@ import builtins
 import collections
 import functools
 import itertools
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -38,12 +39,16 @@ from ..selection import format_ranks
 from ..stacks import RankStacks, Stacks, hang_report
 from ..wire.protocol import Codec, Kind, Message
 from ..wire.transport import IOLoop
+from . import collectives
 from .calltable import CallTable
 from .output import CallOutput
 from .rankstates import LIVE
 from .ranktable import RankInfo, RankTable
 
 STACKS_TIMEOUT_S = 2.0
+# Flight-recorder records each rank adds to its stacks (the summary printed
+# first); mesh.collectives() asks for the whole ring.
+FLIGHT_TAIL = 400
 # Debugger commands after which the rank runs on (another rank may be served).
 _RELEASING = {"c", "cont", "continue", "q", "quit", "exit", "\x04", "run", "restart"}
 _REQUEST_IDS = itertools.count(1 << 48)  # apart from call ids
@@ -82,12 +87,13 @@ class Inspector:
 
     # -- stacks --------------------------------------------------------------------
     def request_stacks(self, ranks: tuple[int, ...], on_done: Callable[[Stacks], None],
-                       timeout: float = STACKS_TIMEOUT_S) -> None:
-        """I/O thread: ask ``ranks`` for their stacks; ``on_done(stacks)`` when
-        all answered or the timeout passed."""
+                       timeout: float = STACKS_TIMEOUT_S, flight: int = FLIGHT_TAIL) -> None:
+        """I/O thread: ask ``ranks`` for their stacks (and the newest
+        ``flight`` records of their flight recorders); ``on_done(stacks)``
+        when all answered or the timeout passed."""
         req_id = next(_REQUEST_IDS)
         req = _StackRequest(tuple(ranks), time.monotonic() + timeout, on_done)
-        frames = self.codec.sign(Kind.STACKS, call=req_id)
+        frames = self.codec.sign(Kind.STACKS, call=req_id, meta={"flight": flight} if flight else None)
         for r in ranks:
             info = self.ranks[r]
             if info.state in LIVE:
@@ -98,8 +104,12 @@ class Inspector:
         self._maybe_finish_stacks(req_id)
 
     def request_stacks_blocking(self, ranks: tuple[int, ...], timeout: float = STACKS_TIMEOUT_S,
-                                native: bool = False) -> Stacks:
-        """Any thread: the stacks of ``ranks``, leading the I/O loop meanwhile."""
+                                native: bool = False, flight: int = FLIGHT_TAIL) -> Stacks:
+        """Any thread: the stacks of ``ranks``. The main thread leads the
+        I/O loop meanwhile; another thread (the dashboard's) leaves the
+        request to whoever leads: the main thread may be blocked in a cell,
+        leading the loop until the cell ends, and the request must be
+        answered while the ranks are stuck, not after."""
         box: list[Stacks] = []
         done = threading.Event()
 
@@ -107,11 +117,15 @@ class Inspector:
             box.append(stacks)
             done.set()
 
-        self.io.call_soon(lambda: self.request_stacks(ranks, finished, timeout))
+        self.io.call_soon(lambda: self.request_stacks(ranks, finished, timeout, flight))
         deadline = time.monotonic() + timeout + 5.0
-        with self.io.leadership():
-            while not done.is_set() and not self.io.stopping and time.monotonic() < deadline:
-                self.io.run_once(0.05)
+        if threading.current_thread() is threading.main_thread():
+            with self.io.leadership():
+                while not done.is_set() and not self.io.stopping and time.monotonic() < deadline:
+                    self.io.run_once(0.05)
+        else:
+            while not done.wait(0.1) and not self.io.stopping and time.monotonic() < deadline:
+                pass
         stacks = box[0] if box else Stacks({r: RankStacks(r, status="no answer") for r in ranks})
         if native:
             for r, st in stacks.items():
@@ -123,8 +137,15 @@ class Inspector:
         req = self.stack_requests.get(msg.call)
         if req is None or info.rank not in req.ranks:
             return False
+        flight = None
+        if msg.payload:  # the flight recorder's tail (JSON: data, never pickle)
+            try:
+                flight = json.loads(bytes(msg.payload[0]))
+            except (ValueError, TypeError):
+                flight = None
         req.result[info.rank] = RankStacks(
-            info.rank, "ok", list(msg.meta.get("threads") or []), int(msg.meta.get("busy") or 0))
+            info.rank, "ok", list(msg.meta.get("threads") or []), int(msg.meta.get("busy") or 0),
+            flight=flight)
         self._maybe_finish_stacks(msg.call)
         return True
 
@@ -139,6 +160,7 @@ class Inspector:
         for r in req.ranks:
             req.result.setdefault(r, RankStacks(r, status="no answer"))
         stacks = Stacks(sorted(req.result.items()))
+        stacks.collectives = collective_summary(stacks)
         req.on_done(stacks)
 
     # -- hang watchdog ----------------------------------------------------------------
@@ -157,8 +179,12 @@ class Inspector:
                 continue
             if now - call.progress_at >= limit:
                 call.hang_reported = True
-                self.request_stacks(tuple(sorted(call.remaining)),
-                                    functools.partial(_report_hang, call.output, limit))
+                # every rank of the call: the stacks shown are the unfinished
+                # ones', but a finished rank's recorder is half the story
+                # (a collective it never entered, an extra one it made)
+                self.request_stacks(tuple(sorted(set(call.ranks) | call.remaining)),
+                                    functools.partial(_report_hang, call.output, limit,
+                                                      frozenset(call.remaining)))
 
     # -- debugger relay -----------------------------------------------------------------
     def on_prompt(self, info: RankInfo, msg: Message) -> None:
@@ -236,8 +262,28 @@ class Inspector:
             return fallback
 
 
-def _report_hang(output: CallOutput, seconds: float, stacks: Stacks) -> None:
-    output.note(hang_report(stacks, seconds))
+def collective_report(stacks: Stacks) -> collectives.CollectiveReport:
+    """What the ranks' flight recorders (sent with their stacks) say."""
+    tails = {r: collectives.RankTail.from_wire(r, st.flight) for r, st in stacks.items()
+             if st.flight is not None}
+    silent = {r: st.status for r, st in stacks.items() if st.status != "ok"}
+    return collectives.analyze(tails, stacks, silent)
+
+
+def collective_summary(stacks: Stacks) -> list[str]:
+    """The findings printed first, when the recorders found something
+    beyond silent ranks (the stacks show those already)."""
+    if not any(st.flight for st in stacks.values()):
+        return []
+    report = collective_report(stacks)
+    return [f.text for f in report.findings if f.kind != "silent"]
+
+
+def _report_hang(output: CallOutput, seconds: float, unfinished: frozenset[int],
+                 stacks: Stacks) -> None:
+    shown = Stacks((r, st) for r, st in stacks.items() if r in unfinished)
+    shown.collectives = stacks.collectives
+    output.note(hang_report(shown, seconds))
 
 
 def native_stack(pid: int | None) -> str:

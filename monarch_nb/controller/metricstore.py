@@ -180,6 +180,13 @@ class MetricsStore:
         with self._lock:
             return self._last_step[rank]
 
+    def step_marks(self, rank: int) -> list[tuple[float, int]]:
+        """(wall-clock time, newest step) of ``rank``'s recent METRICS batches
+        (the last 256; a batch holds up to 0.2 s of steps): mesh.trace() marks them."""
+        offset = time.time() - time.monotonic()
+        with self._lock:
+            return [(t + offset, s) for t, s in self._rate[rank]]
+
     def steps_per_s(self, rank: int, now: float | None = None) -> float | None:
         """Steps per second over the last ``RATE_WINDOW_S`` (None before two
         batches arrived; 0 once the rank stopped logging)."""

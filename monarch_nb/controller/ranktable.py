@@ -13,6 +13,7 @@ Non-goals: what a death means (policy.py, recovery.py), calls (calltable.py).
 
 from __future__ import annotations
 
+import errno
 import secrets
 import signal as signal_mod
 import socket
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import no_free_port
 from .events import Event, EventKind
 from .rankstates import LIVE, RankState, check
 
@@ -118,7 +120,12 @@ class RankTable:
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        try:
+            s.bind(("127.0.0.1", 0))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise no_free_port("the group's rendezvous (MASTER_PORT)") from None
+            raise
         return int(s.getsockname()[1])
 
 

@@ -112,7 +112,8 @@ class Recovery:
     def died_error(self, info: RankInfo) -> RankDied:
         return RankDied(info.rank, info.exitcode if (info.exitcode or 0) >= 0 else None,
                         signal_name(info.exitcode), tuple(self.supervisor.tail(info.rank, 8)),
-                        info.incarnation, info.silent_for, info.frozen)
+                        info.incarnation, info.silent_for, info.frozen,
+                        self.supervisor.death_hint(info.rank, info.health))
 
     # -- events -------------------------------------------------------------------
     def on_exit(self, rank: int, proc: RankProcess | None = None) -> None:
@@ -129,6 +130,9 @@ class Recovery:
         was_starting = info.state == RankState.STARTING and not self.started
         self.ranks.move(rank, RankState.DEAD)
         detail = describe_exit(code)
+        hint = self.supervisor.death_hint(rank, info.health)  # deathcause.py
+        if hint:
+            detail = f"{detail}: {hint}"
         if info.silent_for is not None:
             detail = f"no heartbeat for {info.silent_for:.1f} s, killed"
             if info.frozen:

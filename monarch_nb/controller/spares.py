@@ -13,7 +13,7 @@ import json
 import subprocess
 import sys
 
-from ..config import ENV_SPARE
+from ..config import ENV_SPARE, private
 from ..config import SPARE_WAITING as WAITING
 
 
@@ -29,7 +29,7 @@ def is_waiting(log_path: str) -> bool:
 def start(env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:
     """Start a spare (on the supervisor's thread: see supervisor.py on why)."""
     env = {**env, ENV_SPARE: "1"}
-    with open(log_path, "ab", buffering=0) as log:
+    with open(log_path, "ab", buffering=0, opener=private) as log:
         return subprocess.Popen(
             [sys.executable, "-m", "monarch_nb.worker"],
             env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,

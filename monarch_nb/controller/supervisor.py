@@ -25,12 +25,13 @@ import subprocess
 import tempfile
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import psutil
 
 from .. import config
 from ..backends import BackendInfo, pin_env
-from . import spares
+from . import deathcause, spares
 from .launchers import Launcher, LocalLauncher
 from .spawner import Spawner
 
@@ -44,6 +45,7 @@ class RankProcess:
     pidfd: int | None = None
     reaped: bool = False
     from_spare: bool = False  # a spare process became this rank (torch already imported)
+    sent: list[int] = field(default_factory=list)  # signals we sent it (a death's cause: deathcause.py)
 
     @property
     def pid(self) -> int:
@@ -182,7 +184,7 @@ class Supervisor:
                 spares.discard(candidate)
         from_spare = popen is not None
         if popen is None:
-            log = open(log_path, "ab", buffering=0)
+            log = open(log_path, "ab", buffering=0, opener=config.private)
             try:
                 popen = self.spawner.call(self.launcher.start, rank, env, log)
             finally:
@@ -220,6 +222,7 @@ class Supervisor:
         proc = self.procs.get(rank)
         if proc is None or proc.popen.poll() is not None:
             return
+        proc.sent.append(sig)
         try:
             os.kill(proc.pid, sig)
         except ProcessLookupError:
@@ -241,6 +244,24 @@ class Supervisor:
         except OSError:
             return []
         return data.splitlines()[-lines:]
+
+    def death_hint(self, rank: int, health: dict[str, Any]) -> str:
+        """Why ``rank``'s current process died, when its log and last health
+        tell (deathcause.py); "" otherwise."""
+        proc = self.procs.get(rank)
+        if proc is None:
+            return ""
+        code = proc.popen.poll()
+        rss, limit, used = health.get("rss"), health.get("mem_limit"), health.get("mem_used")
+        try:
+            total: float | None = psutil.virtual_memory().total
+        except Exception:
+            total = None
+        return deathcause.explain(code, self.tail(rank, 300), sent=proc.sent,
+                                  last_rss=rss if isinstance(rss, (int, float)) else None,
+                                  mem_total=None if self.launcher.remote else total,
+                                  mem_limit=limit if isinstance(limit, (int, float)) else None,
+                                  mem_used=used if isinstance(used, (int, float)) else None)
 
     def logs(self, rank: int, lines: int = 100) -> list[str]:
         """The last ``lines`` lines ``rank`` wrote across all its incarnations,
@@ -270,6 +291,7 @@ class Supervisor:
     def kill_proc(self, proc: RankProcess) -> None:
         _close_stdin(proc)  # a remote rank's cue that its handle is gone
         if proc.popen.poll() is None:
+            proc.sent.append(signal.SIGKILL)
             try:
                 os.kill(proc.pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -3,6 +3,13 @@
 :class:`HealthProbe` returns a small dict of plain numbers:
 
 * always: ``cpu`` (% of one core since the last probe), ``rss`` (bytes);
+* when the rank's memory cgroup (v1 or v2) has a limit below the machine's
+  memory: ``mem_limit`` and ``mem_used`` (bytes, the cgroup's own count:
+  a process moved into a cgroup brings no charge along, so its RSS can
+  exceed it), so that a SIGKILL from the kernel's OOM killer can be named
+  with how close the rank was (controller/deathcause.py). Read each
+  heartbeat (a process can be moved into a cgroup at any time): three
+  small reads, the files' paths cached per cgroup;
 * once torch has initialised CUDA (or HIP) in this process: ``mem``,
   ``mem_peak`` (bytes allocated by torch's caching allocator, now and at its
   peak), ``mem_reserved`` and ``mem_total``. These are allocator counters:
@@ -46,6 +53,9 @@ class HealthProbe:
                 out["rss"] = proc.memory_info().rss
             except Exception:
                 self._proc = None
+        cgroup = _cgroup_memory()
+        if cgroup is not None:
+            out["mem_limit"], out["mem_used"] = cgroup
         out.update(_torch_memory())
         if self._gpu is None and "mem_total" in out:  # torch uses a GPU: find its vendor library
             self._gpu = _GpuProbe.open() or False
@@ -53,6 +63,54 @@ class HealthProbe:
             assert isinstance(self._gpu, _GpuProbe)
             out.update(self._gpu.read())
         return out
+
+
+_CGROUP_ROOT = "/sys/fs/cgroup"
+# /proc/self/cgroup's text -> (limit file, usage file) of its memory cgroup
+_cgroup_files: dict[str, tuple[str, str] | None] = {}
+
+
+def _cgroup_memory() -> tuple[int, int] | None:
+    """(limit, usage) in bytes of this process's memory cgroup; None when
+    it has no limit below the machine's memory (or cannot be read)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            text = f.read()
+        if text not in _cgroup_files:
+            _cgroup_files[text] = _memory_files(text)
+        files = _cgroup_files[text]
+        if files is None:
+            return None
+        with open(files[0]) as f:
+            raw = f.read().strip()
+        if raw == "max":
+            return None
+        limit = int(raw)
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if not 0 < limit < total:
+            return None
+        with open(files[1]) as f:
+            return limit, int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _memory_files(cgroup: str) -> tuple[str, str] | None:
+    """v1: the ``memory`` hierarchy's ``memory.limit_in_bytes`` and
+    ``memory.usage_in_bytes``; v2: the unified hierarchy's ``memory.max``
+    and ``memory.current``."""
+    found: list[tuple[str, str]] = []
+    for line in cgroup.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            d = os.path.join(_CGROUP_ROOT, "memory", path.lstrip("/"))
+            found.insert(0, (os.path.join(d, "memory.limit_in_bytes"),
+                             os.path.join(d, "memory.usage_in_bytes")))
+        elif controllers == "":
+            for root in (_CGROUP_ROOT, os.path.join(_CGROUP_ROOT, "unified")):
+                d = os.path.join(root, path.lstrip("/"))
+                found.append((os.path.join(d, "memory.max"), os.path.join(d, "memory.current")))
+    return next((f for f in found if os.path.exists(f[0]) and os.path.exists(f[1])), None)
 
 
 def _torch_memory() -> dict[str, float]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import collections
 import ctypes
+import faulthandler
 import gc
 import importlib
 import json
@@ -49,7 +50,7 @@ from ..wire.metricframes import encode as encode_metrics
 from ..wire.protocol import Codec, Kind, Message
 from ..wire.transport import dealer, recv_verified, send_frames, socket_send
 from . import context as _context
-from . import debug, metrics, pgcompat, spare
+from . import debug, flightrec, metrics, pgcompat, spare
 from .capture import OutputBuffer, RankStream
 from .health import HealthProbe
 
@@ -131,6 +132,9 @@ class Worker:
         sys.stdin = self.stdin  # pdb, breakpoint() and input() ask the notebook
         sys.breakpointhook = debug.breakpointhook
         sys.modules["__main__"] = self.user_module
+        # a crash (SIGSEGV, SIGABRT...) dumps every thread's Python stack into
+        # the rank's log, where the controller quotes it (controller/deathcause.py)
+        faulthandler.enable(2, all_threads=True)  # fd 2: the rank's log
         self._sigint = self._on_sigint  # one bound method, compared after each call
         signal.signal(signal.SIGINT, self._sigint)
         threading.Thread(target=self._control_loop, name=debug.CONTROL_THREAD, daemon=True).start()
@@ -143,6 +147,7 @@ class Worker:
             print(text, file=sys.__stderr__, end="")
             self._exit(2)
         pgcompat.install()  # the user's init/destroy_process_group keep the mesh's group
+        flightrec.install()  # the collective flight recorder (on by default)
         # argparse names the program after sys.argv[0]: the cell, not worker.py
         self._cell_argv = sys.argv = ["<mnb-cell>"]
         self._send_main(Kind.READY, meta={"device": device, "pid": os.getpid()})
@@ -185,6 +190,7 @@ class Worker:
             if left:
                 self._send_main(Kind.METRICS, [encode_metrics(left)], meta={"n": -1})
         self.running_call = call
+        flightrec.call_begin(call, msg.meta)  # its span; strict mode (check_collectives)
         generation = msg.meta.get("generation", 0)
         if _context._state.get("call_generation") != generation:
             _context._set(call_generation=int(generation))
@@ -216,6 +222,7 @@ class Worker:
             sys.last_exc, sys.last_type, sys.last_value, sys.last_traceback = (  # type: ignore[attr-defined]
                 exc, type(exc), exc, exc.__traceback__)
             self._release_peers(exc, error)
+        flightrec.call_end(ok)
         n_out, tail = self.output.finish()
         if (n_out or tail) and isinstance(sys.stdout, RankStream):
             sys.stdout.flush()  # into the rank's log file too (%monarch logs)
@@ -502,9 +509,12 @@ class Worker:
             # is stuck in C code, do not wait for it.
             threading.Timer(2.0, lambda: self._exit(0)).start()
         elif msg.kind == Kind.STACKS:
+            flight = msg.meta.get("flight")  # also the recorder's newest records
             self._send_ctl(Kind.STACKS_REPLY, call=msg.call,
                            meta={"threads": debug.snapshot(self.main_thread_id),
-                                 "busy": self.running_call})
+                                 "busy": self.running_call},
+                           payload=[json.dumps(flightrec.RECORDER.tail(int(flight))).encode()]
+                           if flight else None)
         elif msg.kind == Kind.INPUT:
             self.stdin.answer(str(msg.meta.get("text", "")))
         elif msg.kind == Kind.RELEASE:  # the controller mapped a result's segment

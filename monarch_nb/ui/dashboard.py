@@ -17,6 +17,14 @@ each carrying only what changed (dashfeed.py). Messages *from* the browser
 (a fresh page asking for everything) are handled by the kernel when idle;
 until then a new page shows what arrives from then on.
 
+A second daemon thread watches the collective flight recorders while calls
+run (dashfeed.FlightWatch): a badge above the tiles lists what
+``mesh.collectives()`` finds (a mismatch, ranks missing from a collective
+others wait in), and a rank ``mesh.stragglers()`` flags is marked "slow" on
+its tile. It asks the ranks' control threads without leading the I/O loop
+(the main thread leads it during a blocking cell), so the badge appears
+while the ranks are stuck.
+
 A front end without widgets shows the text/plain part of the mimebundle:
 the same status table as ``%monarch status``.
 
@@ -34,7 +42,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from .dashfeed import Feed, Throttle
+from .dashfeed import FLIGHT_RECORDS, Feed, FlightWatch, Throttle, flight_view
 
 _STATIC = pathlib.Path(__file__).parent / "static"
 
@@ -51,11 +59,15 @@ class Dashboard(anywidget.AnyWidget):
         self.throttle = Throttle(max_hz) if max_hz else Throttle()
         self.sent = 0  # messages pushed (tests, benchmarks)
         self.sent_points = 0
+        self.flight_looks = 0  # times the recorders were read (tests)
         self.on_msg(self._on_front_end)
         self._lock = threading.Lock()  # one pusher at a time: thread or an idle kernel
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="monarch-nb-dashboard", daemon=True)
         self._thread.start()
+        self._flight_thread = threading.Thread(target=self._watch_flight,
+                                               name="monarch-nb-flight", daemon=True)
+        self._flight_thread.start()
 
     # -- pushing ------------------------------------------------------------------
     def push(self, now: float | None = None) -> dict[str, Any] | None:
@@ -88,6 +100,24 @@ class Dashboard(anywidget.AnyWidget):
                 if self.comm is None:
                     return
                 raise
+
+    def _watch_flight(self) -> None:
+        """The badge and the straggler marks (see the module docstring)."""
+        watch = FlightWatch()
+        while not self._stop.wait(0.25):
+            mesh = self.mesh
+            if self.comm is None or not mesh.running:
+                return
+            try:
+                busy = any(row["state"] == "busy" for row in mesh.status())
+                if not watch.due(time.monotonic(), busy):
+                    continue
+                report = mesh.collectives(timeout=1.0, records=FLIGHT_RECORDS)
+                pace = mesh.stragglers(report=report)
+            except Exception:  # the mesh stopping meanwhile: look again (or leave)
+                continue
+            self.feed.flight = flight_view(report, pace)
+            self.flight_looks += 1
 
     def _on_front_end(self, widget: Any, content: Any, buffers: Any) -> None:
         if isinstance(content, dict) and content.get("t") == "hello":

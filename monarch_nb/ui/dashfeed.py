@@ -8,7 +8,17 @@ messages; it keeps cursors so that each message carries only what changed:
   recent events), sent when a view asks (a fresh page) or fell behind;
 * ``{"t": "delta", ...}``: new points (grouped per rank and metric), series
   cuts (a respawned rank that resumed from an earlier step), tiles whose
-  figures changed, new events, the metric names when a new one appeared.
+  figures changed, new events, the metric names when a new one appeared,
+  and ``flight`` when what the flight recorders say changed.
+
+``flight`` (:func:`flight_view`) is the collectives badge and the straggler
+marks: ``{"findings": [text, ...], "slow": {rank: ratio}}``, the texts those
+of ``mesh.collectives()``. Left out: a rank that did not answer (its tile
+shows it down already), and a collective that some ranks have waited in for
+less than ``BADGE_WAIT_S``: while a rank is merely slower, the others
+wait for it in every collective, a fraction of a second each time, and a
+badge that blinked for each would be noise. The dashboard's watcher thread fills it in
+(:class:`FlightWatch` says when it is due); the feed only sends it.
 
 :class:`Throttle` spaces messages at least ``1 / max_hz`` apart. Both are
 pure (no threads, no widgets, clock passed in) and tested without processes.
@@ -22,6 +32,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from ..controller.collectives import CollectiveReport, Finding, StragglerReport
 from ..controller.metricstore import MetricsStore
 
 MAX_HZ = 10.0
@@ -78,6 +89,67 @@ def _event(e: dict[str, Any]) -> dict[str, Any]:
             "detail": e.get("detail", "")}
 
 
+NO_FLIGHT: dict[str, Any] = {"findings": [], "slow": {}}
+FLIGHT_EVERY_S = 2.0  # between two looks at the recorders while a call runs
+FLIGHT_RECORDS = 400  # newest records read per rank each time (mesh.collectives reads all)
+BADGE_WAIT_S = 5.0  # a collective waited in this long is shown (mismatches at once)
+_WAITS = {"missing", "waiting", "p2p"}  # findings about a collective still in flight
+
+
+def flight_view(report: CollectiveReport, pace: StragglerReport | None) -> dict[str, Any]:
+    """What the badge and the tiles show of the recorders (see the module
+    docstring); JSON-ready, rank keys as strings."""
+    stuck = {f.group for f in report.findings
+             if f.kind in _WAITS and _waited(report, f.group, f.seq, f.kind == "p2p") >= BADGE_WAIT_S}
+
+    def shown(f: Finding) -> bool:
+        if f.kind == "silent":
+            return False
+        if f.kind in _WAITS or f.kind == "diverged":  # (diverged comes with a wait)
+            return f.group in stuck
+        return True  # a mismatch: at once
+
+    findings = [f.text for f in report.findings if shown(f)]
+    slow = {} if pace is None else {str(r): round(pace.ranks[r].ratio, 1) for r in pace.slow}
+    return {"findings": findings, "slow": slow}
+
+
+def _waited(report: CollectiveReport, group: str, seq: int | None, p2p: bool) -> float:
+    """How long ago the first rank to reach collective ``seq`` of ``group``
+    called it (by its own clock when it answered): in it still, or past it
+    with the op enqueued (NCCL, RCCL). Records of an earlier generation
+    (numbers start again at each re-formation) and finished p2p ops
+    (numbered per peer) are not that collective."""
+    waited = 0.0
+    for tail in report.tails.values():
+        for rec in tail.ops:
+            if rec.group == group and rec.seq == seq and rec.p2p == p2p \
+                    and rec.generation == tail.generation and (rec.t1 is None or not p2p):
+                waited = max(waited, tail.now - rec.t0)
+    return waited
+
+
+class FlightWatch:
+    """When the dashboard looks at the recorders again: every
+    ``FLIGHT_EVERY_S`` while a call runs on some rank, and once more after
+    the last call ended (its final state stays on the badge: a finished
+    desync, a straggler). Idle meshes are not asked. Pure (clock passed in)."""
+
+    def __init__(self, every: float = FLIGHT_EVERY_S) -> None:
+        self.every = every
+        self.last = -math.inf
+        self.pending = False  # a call ran since the last look
+
+    def due(self, now: float, busy: bool) -> bool:
+        if busy:
+            self.pending = True
+        if not self.pending or now - self.last < self.every:
+            return False
+        self.last = now
+        self.pending = busy
+        return True
+
+
 def _news(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [_event(e) for e in events if not (e["kind"] in _QUIET and e["incarnation"] == 0)]
 
@@ -94,6 +166,8 @@ class Feed:
         self._events_seen = 0
         self._names = 0
         self.state = "running"
+        self.flight: dict[str, Any] = NO_FLIGHT  # set by the dashboard's watcher thread
+        self._flight_sent: dict[str, Any] = NO_FLIGHT
 
     def _tiles_now(self) -> list[dict[str, Any]]:
         tiles = [tile(r) for r in self.rows()]
@@ -153,6 +227,10 @@ class Feed:
         if len(names) != self._names:
             self._names = len(names)
             msg["names"] = names
+        flight = self.flight
+        if flight != self._flight_sent:
+            self._flight_sent = flight
+            msg["flight"] = flight
         return msg if len(msg) > 1 else None
 
     def snapshot(self) -> dict[str, Any]:
@@ -164,10 +242,12 @@ class Feed:
         self._events_seen = len(events)
         names = list(self.store.names)
         self._names = len(names)
+        self._flight_sent = flight = self.flight
         return {
             "t": "snapshot", "world": self.store.world_size, "state": self.state,
             "series": [[r, n, s, [_num(x) for x in v]] for (r, n), (s, v) in everything.items()],
             "tiles": rows, "events": _news(events)[-MAX_EVENTS:], "names": names,
+            "flight": flight,
         }
 
 
@@ -176,4 +256,5 @@ def count_points(msg: dict[str, Any]) -> int:
     return sum(len(s) for _r, _n, s, _v in msg.get("series", ()))
 
 
-__all__ = ["Feed", "Throttle", "tile", "fmt_value", "count_points", "MAX_HZ"]
+__all__ = ["Feed", "Throttle", "FlightWatch", "flight_view", "tile", "fmt_value", "count_points",
+           "MAX_HZ"]

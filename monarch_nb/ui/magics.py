@@ -33,12 +33,16 @@ HELP = """\
 %monarch kill RANK [--signal KILL|TERM|STOP|INT] fault injection
 %monarch restart RANK|all                       replace ranks with fresh processes
 %monarch stacks [--ranks SPEC] [--native]      where every thread of every rank is, grouped
+%monarch collectives [--ranks SPEC]            the ranks' collectives side by side: mismatches, who is missing
+%monarch stragglers [--ranks SPEC]             compute vs wait per rank; flags a consistently slow rank
+%monarch trace PATH                             write a Chrome/Perfetto trace of the recent past
 %monarch debug RANK                             post-mortem pdb on the rank's last error
 %monarch logs RANK [--tail N]                   a rank's recent output (all incarnations)
 %monarch wait [NAME]                            wait for --no-block cells
 %%monarch [--ranks SPEC] [--setup] [--elastic] [--no-block] [-o NAME] [--timeout SECONDS]
-          [--hang-timeout SECONDS]
+          [--hang-timeout SECONDS] [--check-collectives]
     run the cell on the ranks; SPEC is 3, 0,2, 1-3, ::2 or all.
+    --check-collectives: the ranks compare each collective first; a mismatch fails at once.
     breakpoint() in a cell opens pdb here, one rank at a time (c goes to the next).
 """
 
@@ -65,6 +69,18 @@ class _Parsers:
     @magic_arguments()
     @argument("rank", type=int)
     def debug(self, line: str) -> None: ...
+
+    @magic_arguments()
+    @argument("--ranks", default="all")
+    def collectives(self, line: str) -> None: ...
+
+    @magic_arguments()
+    @argument("--ranks", default="all")
+    def stragglers(self, line: str) -> None: ...
+
+    @magic_arguments()
+    @argument("path", help="where to write the trace (JSON)")
+    def trace(self, line: str) -> None: ...
 
     @magic_arguments()
     @argument("names", nargs="+", help="kernel variables to send")
@@ -103,6 +119,8 @@ class _Parsers:
     @argument("--timeout", type=float, default=None, help="interrupt the ranks after SECONDS")
     @argument("--hang-timeout", type=float, default=None,
               help="print where the ranks are after SECONDS without progress")
+    @argument("--check-collectives", action="store_true",
+              help="compare every collective across ranks first; fail at once on a mismatch")
     def cell(self, line: str) -> None: ...
 
 
@@ -288,6 +306,19 @@ class MonarchMagics(Magics):
         args = _parse(_P.stacks, rest)
         print(self._mesh().stacks(args.ranks, native=args.native).render())
 
+    def _cmd_collectives(self, rest: str) -> None:
+        args = _parse(_P.collectives, rest)
+        print(self._mesh().collectives(args.ranks).render())
+
+    def _cmd_stragglers(self, rest: str) -> None:
+        args = _parse(_P.stragglers, rest)
+        print(self._mesh().stragglers(args.ranks).render())
+
+    def _cmd_trace(self, rest: str) -> None:
+        args = _parse(_P.trace, rest)
+        path = self._mesh().trace(args.path)
+        print(f"monarch_nb: trace written to {path} (open it in https://ui.perfetto.dev)")
+
     def _cmd_debug(self, rest: str) -> None:
         args = _parse(_P.debug, rest)
         self._mesh().debug(args.rank)
@@ -302,7 +333,8 @@ class MonarchMagics(Magics):
         name = f"<mnb-cell-{self._shell.execution_count}>"
         if args.no_block:
             fut = sub.exec(cell, setup=args.setup, name=name, block=False, elastic=args.elastic,
-                           hang_timeout=args.hang_timeout)
+                           hang_timeout=args.hang_timeout,
+                           check_collectives=args.check_collectives)
             key = args.output or f"_mnb{self._anon}"
             self._anon += 1
             self.pending[key] = fut
@@ -310,7 +342,8 @@ class MonarchMagics(Magics):
                 self._shell.user_ns[args.output] = fut
             return fut
         results = sub.exec(cell, setup=args.setup, name=name, timeout=args.timeout,
-                           elastic=args.elastic, hang_timeout=args.hang_timeout)
+                           elastic=args.elastic, hang_timeout=args.hang_timeout,
+                           check_collectives=args.check_collectives)
         if args.output:
             self._shell.user_ns[args.output] = results
         if all(v is None for v in results.values()):

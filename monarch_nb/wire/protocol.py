@@ -67,12 +67,13 @@ class Kind(str, enum.Enum):
     """Message kinds. Controller -> rank first, then rank -> controller.
     What each kind's meta holds is :data:`META` (the one schema)."""
 
-    CALL = "call"  # run a pickled function (payload: fn, args, kwargs; meta: elastic, generation, shm)
-    EXEC = "exec"  # run cell code (meta: code, name, setup, elastic, generation)
+    CALL = "call"  # run a pickled function (payload: fn, args, kwargs; meta: elastic, generation, check, shm)
+    EXEC = "exec"  # run cell code (meta: code, name, setup, elastic, generation, check)
     INTERRUPT = "interrupt"  # raise KeyboardInterrupt in the main thread for call c
     PING = "ping"  # controller liveness; ranks exit when pings stop
     STOP = "stop"  # leave cleanly
-    STACKS = "stacks"  # return every thread's stack
+    STACKS = "stacks"  # return every thread's stack (meta flight: N: also the flight
+    # recorder's newest N records, as a JSON payload frame of the reply)
 
     HELLO = "hello"  # rank process is up (meta: pid, incarnation, host)
     READY = "ready"  # rank joined torch.distributed (meta: device, pid)
@@ -100,11 +101,13 @@ class Kind(str, enum.Enum):
 _S, _I, _B, _D, _L = (str,), (int,), (bool,), (dict,), (list,)
 _OPT_I = (int, type(None))
 META: dict[Kind, dict[str, tuple[type, ...]]] = {
-    # generation: the group the call started in
+    # generation: the group the call started in; check: strict mode (engine/flightrec.py)
     # shm: a descriptor of payload frames in shared memory (wire/shm.py;
     # its fields are checked there, after verify, before anything is mapped)
-    Kind.CALL: {"elastic": _B, "generation": _I, "shm": _D},
-    Kind.EXEC: {"code": _S, "name": _S, "setup": _B, "elastic": _B, "generation": _I},
+    Kind.CALL: {"elastic": _B, "generation": _I, "check": _I, "shm": _D},
+    Kind.EXEC: {"code": _S, "name": _S, "setup": _B, "elastic": _B, "generation": _I,
+                "check": _I},
+    Kind.STACKS: {"flight": _I},  # also the newest N flight-recorder records
     Kind.HELLO: {"pid": _I, "incarnation": _I, "host": _S},
     Kind.READY: {"device": _S, "pid": _I},
     Kind.FAILED_START: {"error": _S, "tb": _S},

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -46,7 +47,7 @@ import zmq
 from zmq.utils import z85
 
 from .. import config
-from ..errors import ProtocolError, UsageError
+from ..errors import ProtocolError, UsageError, no_free_port
 from .protocol import Codec, Message
 
 log = logging.getLogger(__name__)
@@ -172,6 +173,8 @@ class IOLoop:
                 if sock is not None:
                     sock.close(linger=0)
             self.ctx.term()
+            if exc.errno == errno.EADDRINUSE:  # a port of the kernel's choosing: none left
+                raise no_free_port(f"the controller on {host}") from None
             raise UsageError(f"cannot bind the controller to {bind!r}: {exc}; use an address "
                              "of this host, or 127.0.0.1") from None
         self.endpoint = f"tcp://{advertised}:{port}"

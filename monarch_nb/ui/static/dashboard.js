@@ -1,8 +1,10 @@
 // monarch_nb live dashboard (anywidget ESM; no build step).
 //
 // The kernel sends custom messages (see monarch_nb/dashfeed.py):
-//   {t: "snapshot", world, series: [[rank, name, steps, values]], tiles, events, names}
-//   {t: "delta", series?, cuts?, tiles?, events?, names?, state?}
+//   {t: "snapshot", world, series: [[rank, name, steps, values]], tiles, events, names, flight}
+//   {t: "delta", series?, cuts?, tiles?, events?, names?, state?, flight?}
+// flight: {findings: [text], slow: {rank: ratio}}: the collectives badge
+// (what mesh.collectives() finds) and the straggler marks on the tiles.
 // Data lives per widget (shared by its views); views redraw
 // at most once per animation frame, only when something changed.
 // Series ordering rules match metricstore.py: append above the last step,
@@ -36,6 +38,13 @@ const CSS = `
 .mnb-ev-died, .mnb-ev-gave_up, .mnb-ev-failed_start { color: #c62828; }
 .mnb-ev-busy_silent { color: #ef6c00; }
 .mnb-ev-respawned, .mnb-ev-ready { color: #2e7d32; }
+.mnb-badge { display: none; margin: 0 0 6px 0; padding: 4px 8px; border-radius: 3px;
+  background: #fff3e0; border: 1px solid #ef6c00; color: #8a3b00; }
+.mnb-badge.on { display: block; }
+.mnb-badge b { color: #c62828; }
+.mnb-badge div { font-family: monospace; font-size: 11px; white-space: pre-wrap; margin-top: 2px; }
+.mnb-slow { margin-left: 6px; padding: 0 4px; border-radius: 3px; background: #ef6c00;
+  color: #fff; font-size: 10px; font-weight: 600; }
 `;
 
 // Per widget (by its uid), shared by its views: anywidget hands each view
@@ -50,7 +59,7 @@ function dataFor(model) {
 
 function newData() {
   return { world: 0, state: "running", series: new Map(), tiles: new Map(), events: [],
-    names: [], version: 0, listeners: new Set() };
+    names: [], flight: { findings: [], slow: {} }, version: 0, listeners: new Set() };
 }
 
 function seriesOf(data, rank, name) {
@@ -102,6 +111,7 @@ function apply(data, msg) {
   for (const t of msg.tiles || []) data.tiles.set(t.rank, t);
   if (msg.events) data.events = data.events.concat(msg.events).slice(-200);
   if (msg.names) data.names = msg.names;
+  if (msg.flight) data.flight = msg.flight;
   if (msg.world) data.world = msg.world;
   data.version++;
   for (const fn of data.listeners) fn();
@@ -141,6 +151,7 @@ function render({ model, el }) {
     <div class="mnb-head"><span class="mnb-title"></span>
       <label>metric <select class="mnb-metric"></select></label>
       <span class="mnb-hint"></span></div>
+    <div class="mnb-badge"></div>
     <div class="mnb-tiles"></div>
     <canvas class="mnb-chart"></canvas>
     <div class="mnb-events"></div>`;
@@ -149,6 +160,7 @@ function render({ model, el }) {
   const select = root.querySelector(".mnb-metric");
   const hint = root.querySelector(".mnb-hint");
   const tilesEl = root.querySelector(".mnb-tiles");
+  const badgeEl = root.querySelector(".mnb-badge");
   const canvas = root.querySelector(".mnb-chart");
   const eventsEl = root.querySelector(".mnb-events");
   let metric = null, chosen = null, drawn = -1, frame = 0;
@@ -175,7 +187,11 @@ function render({ model, el }) {
       const lines = tileLines(t);
       const swatch = data.world < BAND_MIN ?
         `<span style="color:${LINE_COLOURS[rank % LINE_COLOURS.length]}">■</span> ` : "";
-      const head = `${swatch}<b>rank ${rank}</b><span class="st" style="color:${STATE_COLOURS[t.state]}">${esc(t.state)}</span>`;
+      const ratio = data.flight.slow[String(rank)];
+      div.dataset.slow = ratio === undefined ? "" : String(ratio);
+      const slow = ratio === undefined ? "" :
+        `<span class="mnb-slow" title="a straggler: ${ratio}x the others' median compute time between collectives (mesh.stragglers())">slow ${Number(ratio).toFixed(1)}x</span>`;
+      const head = `${swatch}<b>rank ${rank}</b>${slow}<span class="st" style="color:${STATE_COLOURS[t.state]}">${esc(t.state)}</span>`;
       if (compact) {
         const v = metric && t.last && t.last[metric] !== undefined ? t.last[metric] : "";
         div.innerHTML = `${head}<div>${esc(v)}</div>`;
@@ -184,6 +200,15 @@ function render({ model, el }) {
         div.innerHTML = head + lines.map((l) => `<div>${esc(l)}</div>`).join("");
       }
     }
+  }
+
+  function drawBadge() {
+    const found = data.flight.findings;
+    badgeEl.classList.toggle("on", found.length > 0);
+    badgeEl.dataset.count = String(found.length);
+    badgeEl.innerHTML = found.length ? `<b>⚠ collectives: ${found.length} ${found.length === 1 ? "finding" : "findings"}</b>` +
+      found.map((f) => `<div>${esc(f)}</div>`).join("") +
+      "<div>(%monarch collectives, %monarch stacks)</div>" : "";
   }
 
   function drawEvents() {
@@ -292,6 +317,7 @@ function render({ model, el }) {
     }
     if (metric !== null) select.value = metric;
     select.parentElement.style.display = data.names.length > 1 ? "" : "none";
+    drawBadge();
     drawTiles();
     drawChart();
     drawEvents();

@@ -1,0 +1,415 @@
+"""Reading the ranks' flight recorders side by side: which rank, which
+collective, and why a run is slow or stuck. Pure: plain records in, a
+report out; no sockets, no processes.
+
+Each rank's recorder tail (engine/flightrec.py, decoded as
+:class:`~monarch_nb.flight.OpRecord`) lists its collectives with a sequence
+number per group. Lined up by that number, per group:
+
+* **progress**: the last sequence number each member reached, and whether
+  it is still in it;
+* **mismatch**: the first number where the members called different
+  collectives (op, dtypes and shapes, root), e.g. ``#58: ranks 0,1,3
+  called all_reduce(float32[8]) from <mnb-cell-7> line 12; rank 2 called
+  broadcast(float32[4]) from <mnb-cell-7> line 14``. Where they agree on the
+  op but called it from different lines (an extra collective on one rank,
+  paired with the next one of the others) that is reported too, when a
+  collective of the group is stuck: it is the usual cause;
+* **missing**: a collective some members wait in and others never entered,
+  with where those are (their stack): ``ranks 0,1,3 wait in all_reduce #58;
+  rank 2 never entered it: it is in stuck_here (<mnb-cell-7> line 9)``.
+  On NCCL and RCCL (and for ``async_op=True``) a collective call returns
+  once the op is enqueued, and the rank blocks later, at its next sync: so
+  members that are past a collective others never called, while still
+  running their call, are reported the same way (``ranks 0,1,3 enqueued
+  all_reduce #58 ...``). A synchronous collective (gloo's) cannot be done on
+  one member before every member entered it, so this never fires there.
+
+Stragglers (:func:`stragglers`): per rank, the time between its collectives
+(computing) and in them (waiting), over the recent window; a rank whose
+computing time is at least ``factor`` times the median of the others' is
+flagged: the others wait for it in every collective.
+
+Non-goals: asking the ranks (inspector.py), wording of one record (flight.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..flight import IN_FLIGHT, OpRecord, decode, group_label, label, mismatch_text
+from ..stacks import RankStacks
+
+
+@dataclass
+class RankTail:
+    """One rank's answer: its records (oldest first) and its groups' members."""
+
+    rank: int
+    ops: list[OpRecord] = field(default_factory=list)
+    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    generation: int = 0
+    total: int = 0  # records ever made (the ring keeps the newest)
+    now: float = 0.0
+    calls: list[list[Any]] = field(default_factory=list)  # [call, name, start, end, state]
+
+    @classmethod
+    def from_wire(cls, rank: int, data: Mapping[str, Any]) -> RankTail:
+        return cls(rank, [decode(list(row)) for row in data.get("ops") or []],
+                   {str(k): tuple(int(r) for r in v) for k, v in (data.get("groups") or {}).items()},
+                   int(data.get("generation", 0)), int(data.get("total", 0)),
+                   float(data.get("now", 0.0)), [list(c) for c in data.get("calls") or []])
+
+    def collectives(self, generation: int | None = None) -> list[OpRecord]:
+        gen = self.generation if generation is None else generation
+        return [r for r in self.ops if not r.p2p and r.generation == gen]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """``kind``: ``mismatch`` (different collectives at one number),
+    ``missing`` (some members never entered a collective others wait in),
+    ``diverged`` (same op from different lines), ``waiting`` (every member
+    is in it: a peer outside the group, or the transport), ``p2p`` (a
+    send/recv in flight), ``silent`` (ranks that did not answer)."""
+
+    kind: str
+    group: str
+    seq: int | None
+    text: str
+
+
+@dataclass
+class GroupProgress:
+    group: str
+    members: tuple[int, ...]
+    last: dict[int, OpRecord | None]  # member -> its newest record (None: none yet)
+
+    def line(self) -> str:
+        by: dict[tuple[Any, ...], list[int]] = {}
+        for r in sorted(self.last):
+            rec = self.last[r]
+            key: tuple[Any, ...] = ("-",) if rec is None else (rec.seq, rec.describe(), rec.state)
+            by.setdefault(key, []).append(r)
+        parts = []
+        for key, ranks in sorted(by.items(), key=lambda kv: kv[1][0]):
+            if key == ("-",):
+                parts.append(f"{label(ranks)}: none yet")
+            else:
+                parts.append(f"{label(ranks)}: #{key[0]} {key[1]} {key[2]}")
+        return f"{group_label(self.group)} ({label(self.members)}): " + "; ".join(parts)
+
+
+@dataclass
+class CollectiveReport:
+    """``mesh.collectives()``: per group, where each rank is in its
+    collectives, and what looks wrong (``findings``, most telling first)."""
+
+    groups: list[GroupProgress] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    tails: dict[int, RankTail] = field(default_factory=dict)
+    silent: dict[int, str] = field(default_factory=dict)  # rank -> why it did not answer
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def summary(self) -> list[str]:
+        """The findings, one line each (what the stacks and the hang
+        watchdog print first)."""
+        return [f.text for f in self.findings]
+
+    def render(self) -> str:
+        lines = []
+        if self.findings:
+            lines.append("collectives: " + ("1 finding" if len(self.findings) == 1
+                                            else f"{len(self.findings)} findings"))
+            lines.extend(f"  {f.text}" for f in self.findings)
+        else:
+            lines.append("collectives: the ranks agree (no mismatch, nothing stuck)")
+        if self.groups:
+            lines.append("last collective per group:")
+            lines.extend(f"  {g.line()}" for g in self.groups)
+        if not any(t.ops for t in self.tails.values()):
+            lines.append("  (no collective recorded yet; the recorder sees calls through "
+                         "torch.distributed, not DDP's or FSDP's own)")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.render()
+
+    __repr__ = __str__
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.render())
+
+
+def analyze(tails: Mapping[int, RankTail], stacks: Mapping[int, RankStacks] | None = None,
+            silent: Mapping[int, str] | None = None) -> CollectiveReport:
+    """Line the ranks' records up per group and say what disagrees.
+    ``stacks`` (optional) say where a rank that never entered a collective
+    is; ``silent``: ranks that did not answer, and why."""
+    report = CollectiveReport(tails=dict(tails), silent=dict(silent or {}))
+    if not tails:
+        return report
+    generation = max(t.generation for t in tails.values())
+    current = {r: t for r, t in tails.items() if t.generation == generation}
+    members: dict[str, tuple[int, ...]] = {}
+    for t in current.values():
+        for name, ranks in t.groups.items():
+            members.setdefault(name, ranks)
+    used = sorted({rec.group for t in current.values() for rec in t.collectives()},
+                  key=lambda g: (len(g), g))
+    for group in used:
+        ranks = members.get(group) or tuple(sorted(current))
+        answered = [r for r in ranks if r in current]
+        per_rank = {r: {rec.seq: rec for rec in current[r].collectives() if rec.group == group}
+                    for r in answered}
+        last = {r: (recs[max(recs)] if recs else None) for r, recs in per_rank.items()}
+        report.groups.append(GroupProgress(group, tuple(ranks), last))
+        report.findings.extend(_group_findings(group, ranks, per_rank, last, stacks or {},
+                                               current))
+    report.findings.extend(_p2p_findings(current))
+    if silent:
+        quiet = sorted(silent)
+        reasons = sorted(set(silent.values()))
+        report.findings.append(Finding("silent", "", None, f"{label(quiet)} did not answer "
+                                       f"({', '.join(reasons)})"))
+    order = {"mismatch": 0, "missing": 1, "diverged": 2, "waiting": 3, "p2p": 4, "silent": 5}
+    report.findings.sort(key=lambda f: order.get(f.kind, 9))
+    return report
+
+
+def _group_findings(group: str, ranks: tuple[int, ...], per_rank: dict[int, dict[int, OpRecord]],
+                    last: dict[int, OpRecord | None], stacks: Mapping[int, RankStacks],
+                    tails: Mapping[int, RankTail]) -> list[Finding]:
+    out: list[Finding] = []
+    common = set.intersection(*(set(s) for s in per_rank.values())) if per_rank else set()
+    first_sig = first_site = None
+    for seq in sorted(common):
+        recs = [per_rank[r][seq] for r in per_rank]
+        if first_sig is None and len({rec.signature() for rec in recs}) > 1:
+            first_sig = seq
+            break
+        if first_site is None and len({rec.where() for rec in recs}) > 1:
+            first_site = seq
+    if first_sig is not None:
+        recs_at = {r: per_rank[r].get(first_sig) for r in per_rank}
+        out.append(Finding("mismatch", group, first_sig, mismatch_text(f"#{first_sig}", group,
+                                                                       recs_at)))
+    # the newest collective someone is still in
+    waiting = {r: rec for r, rec in last.items() if rec is not None and rec.state == IN_FLIGHT}
+    if waiting:
+        seq = max(rec.seq for rec in waiting.values())
+        inside = sorted(r for r, rec in waiting.items() if rec.seq == seq)
+        rec = waiting[inside[0]]
+        behind = sorted(r for r in per_rank if r not in inside
+                        and (last[r] is None or last[r].seq < seq))  # type: ignore[union-attr]
+        elsewhere = sorted(r for r in waiting if r not in inside)
+        head = f"{label(inside)} {'waits' if len(inside) == 1 else 'wait'} in {rec.op} #{seq}"
+        head += f" ({rec.where()})" if len({waiting[r].where() for r in inside}) == 1 else ""
+        parts = [head]
+        alike: dict[tuple[str, str], list[int]] = {}
+        for r in behind:
+            where = stacks[r].where() if r in stacks else "unknown"
+            at = last[r]
+            got = f"last was #{at.seq} {at.op}" if at is not None else ""
+            alike.setdefault((where, got), []).append(r)
+        for (where, got), rs in alike.items():
+            one = len(rs) == 1
+            before = (f"{'its' if one else 'their'} {got}" if got
+                      else f"{'it' if one else 'they'} made none yet")
+            parts.append(f"{label(rs)} never entered it ({before}): "
+                         f"{'it is' if one else 'they are'} {_where(where)}")
+        for r in elsewhere:
+            other = waiting[r]
+            parts.append(f"rank {r} waits in {other.op} #{other.seq} ({other.where()})")
+        if behind or elsewhere:
+            out.append(Finding("missing", group, seq, "; ".join(parts)))
+            if first_sig is None and first_site is not None:
+                recs_at = {r: per_rank[r].get(first_site) for r in per_rank}
+                out.append(Finding("diverged", group, first_site,
+                                   "the ranks called the same collectives from different "
+                                   "lines from " + mismatch_text(f"#{first_site}", group,
+                                                                 recs_at)))
+        elif first_sig is None and len(inside) == len(ranks):
+            out.append(Finding("waiting", group, seq, head + ": every member is in it; the "
+                               "transport is stuck or a peer is slow inside it"))
+    elif stacks:
+        out.extend(_enqueued_findings(group, per_rank, last, stacks))
+    return out
+
+
+def _enqueued_findings(group: str, per_rank: dict[int, dict[int, OpRecord]],
+                       last: dict[int, OpRecord | None],
+                       stacks: Mapping[int, RankStacks]) -> list[Finding]:
+    """Nothing in flight, yet some members are past a collective others
+    never called, and those ahead still run their call: an asynchronous
+    collective (NCCL, RCCL, ``async_op=True``) the others never joined."""
+    reached = {r: rec.seq for r, rec in last.items() if rec is not None}
+    if not reached:
+        return []
+    seq = max(reached.values())
+    ahead = sorted(r for r, s in reached.items() if s == seq)
+    behind = sorted(r for r in per_rank if r not in ahead)
+    if not behind or not all(r in stacks and stacks[r].busy for r in ahead):
+        return []
+    rec = last[ahead[0]]
+    assert rec is not None
+    sites = {last[r].where() for r in ahead}  # type: ignore[union-attr]
+    head = (f"{label(ahead)} enqueued {rec.op} #{seq}"
+            + (f" ({rec.where()})" if len(sites) == 1 else "")
+            + ", which completes only once every member calls it")
+    parts = [head]
+    for r in behind:
+        at = last[r]
+        got = f"its last was #{at.seq} {at.op}" if at is not None else "it made none yet"
+        parts.append(f"rank {r} never called it ({got}): it is {_where(stacks[r].where())}"
+                     if r in stacks else f"rank {r} never called it ({got})")
+    return [Finding("missing", group, seq, "; ".join(parts))]
+
+
+def _where(where: str) -> str:
+    return where if where.startswith(("in ", "idle")) else f"at {where}"
+
+
+def _p2p_findings(tails: Mapping[int, RankTail]) -> list[Finding]:
+    out = []
+    for r, t in sorted(tails.items()):
+        for rec in t.ops:
+            if rec.p2p and rec.state == IN_FLIGHT and rec.generation == t.generation:
+                out.append(Finding("p2p", rec.group, rec.seq,
+                                   f"rank {r} waits in {rec.describe()} ({rec.where()})"))
+    return out
+
+
+# -- stragglers ------------------------------------------------------------------------
+
+STRAGGLER_FACTOR = 1.5
+WINDOW_STEPS = 20
+
+
+@dataclass(frozen=True)
+class RankPace:
+    """One rank's figures over the window (seconds)."""
+
+    rank: int
+    collectives: int  # collectives in the window
+    compute_s: float  # between its collectives
+    wait_s: float  # inside them
+    ratio: float  # compute / the median rank's compute
+    steps_per_s: float | None = None  # from mnb.log, where it logs
+    slow: bool = False
+
+    @property
+    def wait_share(self) -> float:
+        total = self.compute_s + self.wait_s
+        return self.wait_s / total if total else 0.0
+
+
+@dataclass
+class StragglerReport:
+    """``mesh.stragglers()``: per-rank pace; ``slow`` lists the flagged ranks."""
+
+    ranks: dict[int, RankPace] = field(default_factory=dict)
+    window: str = ""
+    factor: float = STRAGGLER_FACTOR
+
+    @property
+    def slow(self) -> list[int]:
+        return sorted(r for r, p in self.ranks.items() if p.slow)
+
+    def render(self) -> str:
+        if not self.ranks:
+            return "stragglers: no collectives recorded yet"
+        head = (f"stragglers: {label(self.slow)} consistently slower "
+                f"(>= {self.factor:g}x the median compute time)" if self.slow
+                else f"stragglers: none (no rank >= {self.factor:g}x the median compute time)")
+        lines = [head, f"  over {self.window}",
+                 f"  {'rank':>4} {'compute s':>10} {'wait s':>8} {'wait %':>7} {'x median':>9} "
+                 f"{'steps/s':>8}"]
+        for r, p in sorted(self.ranks.items()):
+            sps = "-" if p.steps_per_s is None else f"{p.steps_per_s:.2f}"
+            flag = "  <- slow" if p.slow else ""
+            lines.append(f"  {r:>4} {p.compute_s:>10.3f} {p.wait_s:>8.3f} "
+                         f"{100 * p.wait_share:>6.0f}% {p.ratio:>8.2f}x {sps:>8}{flag}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.render()
+
+    __repr__ = __str__
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.render())
+
+
+def stragglers(tails: Mapping[int, RankTail], steps_per_s: Mapping[int, float | None] | None = None,
+               window_steps: int = WINDOW_STEPS, factor: float = STRAGGLER_FACTOR,
+               group: str | None = None) -> StragglerReport:
+    """Who is slow, from the recorders. The window is the last
+    ``window_steps`` steps where the ranks log them with ``mnb.log`` (their
+    steps per second say how long that is), else the last ``window_steps``
+    collectives of the group most used. A collective that is still in
+    flight is left out (its wait has not ended)."""
+    steps_per_s = steps_per_s or {}
+    generation = max((t.generation for t in tails.values()), default=0)
+    series = {r: [rec for rec in t.collectives(generation) if rec.t1 is not None]
+              for r, t in tails.items() if t.generation == generation}
+    if group is None:
+        counts: dict[str, int] = {}
+        for recs in series.values():
+            for rec in recs:
+                counts[rec.group] = counts.get(rec.group, 0) + 1
+        group = max(counts, key=lambda g: counts[g]) if counts else None
+    if group is None:
+        return StragglerReport(factor=factor)
+    series = {r: [rec for rec in recs if rec.group == group] for r, recs in series.items()}
+    series = {r: recs for r, recs in series.items() if len(recs) >= 2}
+    if not series:
+        return StragglerReport(factor=factor)
+    # the same collectives on every rank: the newest numbers all have
+    common = set.intersection(*({rec.seq for rec in recs} for recs in series.values()))
+    if len(common) < 2:
+        return StragglerReport(factor=factor)
+    rates = [v for v in steps_per_s.values() if v]
+    span_s = window_steps / statistics.median(rates) if rates else None
+    newest = max(common)
+    n_window = window_steps
+    window = f"the last {window_steps} collectives of {group_label(group)}"
+    if span_s is not None:  # as many collectives as the last window_steps steps took
+        ref = next(iter(series.values()))
+        end = next(rec.t1 for rec in ref if rec.seq == newest)
+        assert end is not None
+        n_window = sum(1 for rec in ref if rec.seq in common and rec.t0 >= end - span_s)
+        window = f"the last {window_steps} steps ({n_window} collectives of {group_label(group)})"
+    seqs = sorted(common)[-max(2, n_window + 1):]
+    compute: dict[int, float] = {}
+    wait: dict[int, float] = {}
+    for r, recs in series.items():
+        by_seq = {rec.seq: rec for rec in recs}
+        c = w = 0.0
+        for prev, seq in itertools.pairwise(seqs):
+            a, b = by_seq[prev], by_seq[seq]
+            assert a.t1 is not None and b.t1 is not None
+            c += max(0.0, b.t0 - a.t1)
+            w += b.t1 - b.t0
+        compute[r], wait[r] = c, w
+    report = StragglerReport(window=window, factor=factor)
+    for r in sorted(series):
+        # against the others' median: with few ranks the slow one would
+        # otherwise pull the median towards itself
+        others = [v for q, v in compute.items() if q != r] or [compute[r]]
+        median = statistics.median(others)
+        ratio = compute[r] / median if median > 0 else 1.0
+        report.ranks[r] = RankPace(r, len(seqs) - 1, compute[r], wait[r], ratio,
+                                   steps_per_s.get(r), slow=len(series) > 1 and ratio >= factor)
+    return report
+
+
+__all__ = ["RankTail", "Finding", "GroupProgress", "CollectiveReport", "analyze",
+           "RankPace", "StragglerReport", "stragglers"]

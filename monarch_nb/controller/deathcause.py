@@ -1,0 +1,191 @@
+"""Why a rank died, when it can be told: the ``cause_hint`` of ``RankDied``
+and of the DIED event. Pure: an exit status, the end of the rank's log and
+its last health reading in, one line out ("" when nothing more is known
+than the exit status already says).
+
+* a crash (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL): ranks enable
+  ``faulthandler`` (engine/worker.py), which writes every thread's Python
+  stack into the log; the crashing thread is the one marked ``Current
+  thread``. Its innermost frame and the innermost frame of the user's code
+  are named: ``Segmentation fault in string_at (ctypes/__init__.py line
+  519), called from <mnb-cell-3> line 2``;
+* SIGKILL that monarch_nb did not send (``%monarch kill``, a frozen rank, a
+  stuck survivor): nothing else on a machine sends SIGKILL as often as the
+  kernel's OOM killer, so it is named, with the rank's last resident memory
+  (from its heartbeats): "probably the OOM killer" when that was at least
+  :data:`HIGH_RSS_FRACTION` of the machine's memory, or when its memory
+  cgroup (a container's, a Slurm job's: the heartbeat reports it) was at
+  :data:`NEAR_LIMIT_FRACTION` of its limit, else as a possibility;
+* an exit with a Python traceback at the end of the log (an uncaught
+  error, a MemoryError the rank could not survive): the last exception
+  line, with "out of memory" said for MemoryError and torch's
+  OutOfMemoryError (CUDA's or HIP's);
+* a collective that timed out, whatever the exit looked like (NCCL's and
+  RCCL's watchdog abort the process, gloo raises): the backend's line
+  saying so, when the log has one ("a collective timed out: ...").
+
+Non-goals: the exit status itself (RankDied.cause), reading the log
+(supervisor.py).
+"""
+
+from __future__ import annotations
+
+import re
+import signal as signal_mod
+from collections.abc import Iterable, Sequence
+
+HIGH_RSS_FRACTION = 0.25  # of the machine's memory: a SIGKILL then is probably the OOM killer
+# of a cgroup's limit: heartbeats come every 0.5 s, and memory that grows
+# fast passes the last reading by a lot before the kill
+NEAR_LIMIT_FRACTION = 0.5
+_CRASHES = {signal_mod.SIGSEGV, signal_mod.SIGBUS, signal_mod.SIGABRT, signal_mod.SIGFPE,
+            signal_mod.SIGILL}
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+_EXC = re.compile(r"^(?P<name>[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning))(:\s?(?P<msg>.*))?$")
+_OOM_NAMES = ("MemoryError", "OutOfMemoryError")
+# what NCCL/RCCL's watchdog and gloo write when a collective times out
+_TIMEOUT = re.compile(r"collective operation timeout|before timing out|"
+                      r"operations have failed or timed out|"
+                      r"timed out waiting \S+ for (send|recv)", re.IGNORECASE)
+
+
+def explain(code: int | None, log_tail: Sequence[str], *, last_rss: float | None = None,
+            mem_total: float | None = None, sent: Iterable[int] = (),
+            mem_limit: float | None = None, mem_used: float | None = None) -> str:
+    """The cause hint for a rank that exited with ``code`` (negative: a
+    signal). ``sent``: the signals monarch_nb itself sent the process;
+    ``mem_limit``, ``mem_used``: its memory cgroup's limit and last usage,
+    when it had a limit."""
+    if code is None:
+        return ""
+    if code != 0:
+        timed_out = timeout_hint(log_tail)
+        if timed_out:
+            return timed_out
+    if code < 0:
+        sig = -code
+        if sig in {int(s) for s in _CRASHES}:
+            return crash_hint(sig, log_tail)
+        if sig == signal_mod.SIGKILL and sig not in set(sent):
+            return oom_hint(last_rss, mem_total, mem_limit, mem_used)
+        return ""
+    if code != 0:
+        return exception_hint(log_tail)
+    return ""
+
+
+def crash_hint(sig: int, log_tail: Sequence[str]) -> str:
+    """From faulthandler's dump: what crashed, where, called from where."""
+    fatal = ""
+    for line in log_tail:
+        if line.startswith("Fatal Python error:"):
+            fatal = line.split(":", 1)[1].strip()
+    frames = _current_thread(log_tail)
+    what = fatal or signal_mod.Signals(sig).name
+    if not frames:
+        return f"{what} (no Python stack in its log)" if fatal else ""
+    inner = frames[0]
+    user = next((f for f in frames if _is_user(f[0])), None)
+    text = f"{what} in {inner[2]} ({_short(inner[0])} line {inner[1]})"
+    if user is not None and user is not inner:
+        text += f", called from {_at(user)}"
+    return text
+
+
+def _current_thread(lines: Sequence[str]) -> list[tuple[str, int, str]]:
+    """The crashing thread's frames, innermost first (faulthandler's order)."""
+    frames: list[tuple[str, int, str]] = []
+    inside = False
+    for line in lines:
+        if line.startswith("Current thread") or line.startswith("Stack (most recent call first)"):
+            inside, frames = True, []
+            continue
+        if inside:
+            m = _FRAME.match(line)
+            if m:
+                frames.append((m["file"], int(m["line"]), m["func"]))
+            elif line.strip():
+                inside = False
+            elif frames:
+                inside = False
+    return frames
+
+
+def timeout_hint(log_tail: Sequence[str]) -> str:
+    """The backend's own line about a collective that timed out, if any."""
+    for line in reversed(log_tail):
+        if _TIMEOUT.search(line):
+            text = line.strip()
+            return f"a collective timed out: {text[:240]}{'...' if len(text) > 240 else ''}"
+    return ""
+
+
+def oom_hint(last_rss: float | None, mem_total: float | None,
+             mem_limit: float | None = None, mem_used: float | None = None) -> str:
+    if mem_limit and mem_used is not None:
+        used, cap = mem_used / 2**20, mem_limit / 2**20
+        rss = "" if last_rss is None else f", last RSS seen {last_rss / 2**20:,.0f} MiB"
+        if mem_used >= NEAR_LIMIT_FRACTION * mem_limit:
+            return (f"probably the kernel's OOM killer: its memory cgroup was last seen at "
+                    f"{used:,.0f} MiB of its {cap:,.0f} MiB limit{rss}")
+        return (f"SIGKILL that monarch_nb did not send; its memory cgroup was last seen at "
+                f"{used:,.0f} MiB of its {cap:,.0f} MiB limit{rss}: the kernel's OOM killer if "
+                "memory grew fast (see dmesg), or another process")
+    if last_rss is None:
+        return ("SIGKILL that monarch_nb did not send: often the kernel's OOM killer "
+                "(see dmesg)")
+    mib = last_rss / 2**20
+    of = f" of {mem_total / 2**20:,.0f} MiB" if mem_total else ""
+    if mem_total and last_rss >= HIGH_RSS_FRACTION * mem_total:
+        return f"probably the OOM killer, last RSS {mib:,.0f} MiB{of}"
+    return (f"SIGKILL that monarch_nb did not send, last RSS {mib:,.0f} MiB{of}: the kernel's "
+            "OOM killer if memory was short (see dmesg), or another process")
+
+
+def exception_hint(log_tail: Sequence[str]) -> str:
+    """The last exception line of a traceback at the end of the log."""
+    seen_tb = False
+    last = ""
+    for line in log_tail:
+        if line.startswith("Traceback (most recent call last)"):
+            seen_tb = True
+            continue
+        if seen_tb:
+            m = _EXC.match(line.strip()) if not line.startswith(" ") else None
+            if m:
+                last = line.strip()
+    if not last:
+        return ""
+    name = last.split(":", 1)[0]
+    if name.rsplit(".", 1)[-1] in _OOM_NAMES:
+        return f"out of memory: its last exception was {last}"
+    return f"its last exception was {last}"
+
+
+def _is_user(filename: str) -> bool:
+    if filename.startswith("<mnb-cell") or filename.startswith("<setup"):
+        return True
+    if filename.startswith("<"):
+        return False
+    return not any(p in filename for p in ("site-packages", "dist-packages", "/lib/python3",
+                                           "/monarch_nb/"))
+
+
+def _short(filename: str) -> str:
+    for marker in ("site-packages/", "dist-packages/", "/lib/python3."):
+        i = filename.find(marker)
+        if i >= 0:
+            rest = filename[i + len(marker):]
+            return rest.split("/", 1)[1] if marker.startswith("/lib/") and "/" in rest else rest
+    return filename
+
+
+def _at(frame: tuple[str, int, str]) -> str:
+    file, line, func = frame
+    at = f"{_short(file)} line {line}"
+    return at if func == "<module>" else f"{func} ({at})"
+
+
+__all__ = ["explain", "crash_hint", "oom_hint", "exception_hint", "timeout_hint",
+           "HIGH_RSS_FRACTION",
+           "NEAR_LIMIT_FRACTION"]
