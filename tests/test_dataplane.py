@@ -393,14 +393,17 @@ def test_nothing_left_after_a_rank_is_killed_mid_push_a_kill_storm_and_stop(mesh
     wait_for(lambda: all(r["state"] == "ready" for r in mesh2.status()), timeout=60,
              what="rank 1 to come back")
     for i in range(4):
-        mesh2[i % 2].run_async(_die_soon)
+        victim = i % 2
+        incarnation = mesh2.status()[victim]["incarnation"]
+        mesh2[victim].run_async(_die_soon)
         for _ in range(3):
             try:
                 mesh2.push(x=big)
                 mesh2.pull("x")
             except RankErrors:
                 pass
-        wait_for(lambda: all(r["state"] == "ready" for r in mesh2.status()), timeout=60,
+        wait_for(lambda v=victim, n=incarnation: mesh2.status()[v]["incarnation"] > n
+                 and all(r["state"] == "ready" for r in mesh2.status()), timeout=60,
                  what="the killed rank to come back")
     mesh2.push(x=big)
     assert mesh2.pull("x")[1].sum() == big.sum()
