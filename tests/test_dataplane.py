@@ -416,6 +416,28 @@ def test_nothing_left_after_a_rank_is_killed_mid_push_a_kill_storm_and_stop(mesh
     assert dev_shm() == shm_before
 
 
+def _sum_or_die_once(x: Any) -> float:
+    import monarch_nb as mnb
+    from monarch_nb import chaos
+
+    if mnb.rank() == 1 and mnb.incarnation() == 0:
+        chaos.die("sigkill")
+    return float(x.sum())
+
+
+def test_an_elastic_call_keeps_its_segment_for_the_respawned_rank(mesh2: Mesh) -> None:
+    """The segment stays open while the call is in flight: the rank's new
+    process, given the re-issued call, maps the same segment."""
+    big = np.arange(BIG // 8, dtype=np.float64)
+    before = mesh2.dataplane["segments"]
+    out = mesh2.run(_sum_or_die_once, big, elastic=True, timeout=120)
+    assert out == dict.fromkeys(range(2), float(big.sum()))
+    assert mesh2.status()[1]["incarnation"] == 1
+    assert mesh2.dataplane["segments"] == before + 1
+    assert mesh2[1].exec(_RANK_STATS)[1]["mapped"] == 1  # the new process mapped it
+    wait_for(lambda: settled(mesh2), timeout=10, what="the segment to be closed")
+
+
 def maps_a_segment(pid: int) -> bool:
     """Process ``pid`` has a segment mapped (read from outside: it may be busy)."""
     try:
