@@ -295,6 +295,31 @@ def test_signed_descriptor_naming_a_foreign_segment_is_refused(mesh4: Mesh, case
     assert mesh4.run(lambda: 1) == dict.fromkeys(range(4), 1)
 
 
+def test_the_descriptor_is_signed_and_a_changed_one_is_dropped() -> None:
+    """The descriptor is meta of the signed header: changing which fd it
+    names breaks the signature, so verify drops it before anything reads it."""
+    from monarch_nb.errors import ProtocolError
+
+    key = os.urandom(32)
+    rest, desc, seg = shm.pack(serialize.dumps(np.ones(BIG // 8)), "m1")
+    assert seg is not None and desc is not None
+    try:
+        frames = [bytes(memoryview(f)) for f in Codec(key, "controller").sign(
+            Kind.CALL, rest, call=1, meta={"shm": desc})]
+        assert Codec(key, "r0.0.main").verify(frames).meta["shm"] == desc
+        named = f'"fd":{desc["fd"]},'.encode()
+        assert frames[0].count(named) == 1
+        other = f'"fd":{(desc["fd"] + 1) % 10 + 10 * (desc["fd"] // 10)},'.encode()
+        forged = [frames[0].replace(named, other), *frames[1:]]
+        with pytest.raises(ProtocolError) as info:
+            Codec(key, "r0.0.main").verify(forged)
+        assert info.value.reason == "bad-signature"
+        with pytest.raises(ValueError, match="shm"):  # the schema: a descriptor is an object
+            Codec(key, "controller").sign(Kind.RESULT, rest, call=1, meta={"shm": "fd 3"})
+    finally:
+        seg.close()
+
+
 def test_attach_refuses_a_peer_that_is_not_the_sender() -> None:
     """The controller's check of a result, in-process: a descriptor is
     taken only from the rank it came from."""

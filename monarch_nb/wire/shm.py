@@ -79,7 +79,7 @@ class ShmError(Exception):
 class Segment:
     """The sender's side of one memory file: its fd, closed once."""
 
-    __slots__ = ("fd", "token", "size", "__weakref__")
+    __slots__ = ("fd", "token", "size")
 
     def __init__(self, fd: int, token: bytes, size: int) -> None:
         self.fd, self.token, self.size = fd, token, size
@@ -135,6 +135,9 @@ def pack(payload: Sequence[Any], mesh_id: str, threshold: int = THRESHOLD,
         os.close(fd)
         _fallback(exc, notice)
         return list(payload), None, None
+    except BaseException:  # Ctrl-C while writing: no fd left behind
+        os.close(fd)
+        raise
     seg = Segment(fd, token, size)
     stats["created"] += 1
     stats["bytes_written"] += sum(n for _, _, n in at)
