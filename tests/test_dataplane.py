@@ -159,6 +159,30 @@ def test_small_values_stay_on_the_sockets(mesh4: Mesh) -> None:
     assert rank_stats(mesh4) == ranks_before
 
 
+def n_mapped(pid: int) -> int:
+    """Segment mappings of process ``pid``."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(1 for line in f if "/memfd:monarch-nb" in line)
+
+
+def test_mappings_go_with_the_last_value_over_them(mesh4: Mesh) -> None:
+    pids = rank_pids(mesh4)
+    before = [n_mapped(p) for p in pids]
+    for _ in range(3):  # each push replaces the last: its mapping goes with it
+        mesh4.push(gone=np.ones(BIG // 8))
+    assert [n_mapped(p) for p in pids] == [n + 1 for n in before]
+    mesh4.exec("del gone\nimport gc\ngc.collect()")
+    assert [n_mapped(p) for p in pids] == before
+    mine = n_mapped(os.getpid())
+    pulled = [mesh4.pull("arr") for _ in range(2)]
+    assert n_mapped(os.getpid()) == mine + 8
+    del pulled
+    import gc
+
+    gc.collect()
+    assert n_mapped(os.getpid()) == mine
+
+
 # -- semantics: every copy is its own -----------------------------------------------------------
 def test_pushed_values_are_independent_copies(mesh4: Mesh) -> None:
     arr = np.zeros(BIG // 8)
