@@ -3,17 +3,23 @@
 and to ipyparallel, all measured in the same run on this machine.
 
     .venv/bin/python benchmarks/run.py [--ranks 4] [--calls 2000] [--json out.json] [--quick]
+                                       [--floor-script PATH]   # default ../shared/bench/zmq_floor.py
 
 What it measures (see benchmarks/README.md):
 
 * raw ZeroMQ floor: ``<repo>/../shared/bench/zmq_floor.py --ranks N --json`` and
   ``--ranks 1`` run as subprocesses (before, between the no-op and the push
-  measurements, and after the rest; medians of the runs);
+  measurements, and after the rest; medians of the runs); for pulls, which
+  that script does not measure, ``benchmarks/pull_floor.py --ranks N`` (N
+  DEALERs each send 64 MiB to a ROUTER) in the same passes;
 * monarch_nb: no-op ``mesh.run(NOOP)`` to all N ranks and to one rank
   (``mesh[0].run``), 64 MiB ``mesh.push`` of a numpy array and of a torch tensor,
-  cold start of ``Mesh.start(n=N, backend="cpu")``;
+  64 MiB ``mesh.pull`` of a numpy array from every rank (shared memory with
+  local ranks: see README, "Big values"), cold start of
+  ``Mesh.start(n=N, backend="cpu")``;
 * ipyparallel 9: the same through ``rc[:].apply_sync`` / ``rc[0].apply_sync``,
-  ``view.push(..., block=True)`` and ``Cluster(n=N).start_and_connect_sync()``.
+  ``view.push(..., block=True)``, ``view.pull(..., block=True)`` and
+  ``Cluster(n=N).start_and_connect_sync()``.
 
 monarch_nb and ipyparallel run side by side and their measurements are
 interleaved block by block, so background noise hits both alike. No assertions:
@@ -40,6 +46,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 FLOOR_SCRIPT = (REPO / ".." / "shared" / "bench" / "zmq_floor.py").resolve()
+PULL_FLOOR_SCRIPT = HERE / "pull_floor.py"
 if str(REPO) not in sys.path:  # run from anywhere: import the checkout's monarch_nb
     sys.path.insert(0, str(REPO))
 
@@ -78,6 +85,8 @@ def timed(fn: Callable[[], Any], n: int) -> list[float]:
 
 # --------------------------------------------------------------------------- floor
 def run_floor(ranks: int, calls: int) -> dict[str, Any]:
+    """One zmq_floor.py run (FLOOR_SCRIPT: ``--floor-script`` where the
+    checkout is not beside shared/, e.g. a git worktree)."""
     cmd = [sys.executable, str(FLOOR_SCRIPT), "--ranks", str(ranks), "--calls", str(calls),
            "--mib", str(MIB), "--json"]
     # Own session: on timeout/interrupt the whole group (its rank processes too) is killed.
@@ -96,6 +105,36 @@ def run_floor(ranks: int, calls: int) -> dict[str, Any]:
         raise RuntimeError(f"zmq_floor.py --ranks {ranks} exited {p.returncode}: {err.strip()[-500:]}")
     line = [ln for ln in out.splitlines() if ln.strip().startswith("{")][-1]
     return json.loads(line)
+
+
+def run_pull_floor(ranks: int) -> dict[str, Any]:
+    cmd = [sys.executable, str(PULL_FLOOR_SCRIPT), "--ranks", str(ranks), "--mib", str(MIB),
+           "--json"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, cwd=str(HERE))
+    try:
+        out, err = p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    if p.returncode != 0:
+        raise RuntimeError(f"pull_floor.py --ranks {ranks} exited {p.returncode}: {err.strip()[-500:]}")
+    line = [ln for ln in out.splitlines() if ln.strip().startswith("{")][-1]
+    return json.loads(line)
+
+
+def pull_floor_pass(ranks: int, res: dict[str, Any]) -> None:
+    try:
+        r = run_pull_floor(ranks)
+        log(f"pull floor --ranks {ranks}: {r['pull_mib_per_s_aggregate']} MiB/s")
+        res["floor"]["pull_runs"].append(r)
+    except Exception as exc:
+        log(f"pull floor failed: {exc}")
+        res["errors"].append(f"pull floor ranks={ranks}: {exc}")
 
 
 def floor_pass(ranks: int, calls: int, order: list[int], res: dict[str, Any]) -> None:
@@ -161,13 +200,17 @@ def _ipp_stop(cluster: Any, rc: Any) -> None:
 
 # --------------------------------------------------------------------------- main
 def main() -> int:
+    global FLOOR_SCRIPT
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=4, help="ranks/engines for the multi-rank rows")
     ap.add_argument("--calls", type=int, default=2000, help="monarch_nb no-op calls per target")
     ap.add_argument("--ipp-calls", type=int, default=300, help="ipyparallel no-op calls per target")
     ap.add_argument("--json", metavar="PATH", help="write every raw figure here")
     ap.add_argument("--quick", action="store_true", help="small sample counts (smoke test, ~1 min)")
+    ap.add_argument("--floor-script", metavar="PATH", default=str(FLOOR_SCRIPT),
+                    help="shared/bench/zmq_floor.py (default: beside the checkout)")
     a = ap.parse_args()
+    FLOOR_SCRIPT = Path(a.floor_script).resolve()
     signal.signal(signal.SIGTERM, _sigterm)
 
     N = a.ranks
@@ -189,7 +232,7 @@ def main() -> int:
                                "N-engine cluster; floor: zmq_floor.py --ranks 1",
                    "python": sys.version.split()[0], "platform": platform.platform(),
                    "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
-        "floor": {"script": str(FLOOR_SCRIPT), "runs": {}},
+        "floor": {"script": str(FLOOR_SCRIPT), "runs": {}, "pull_runs": []},
         "monarch_nb": {}, "ipyparallel": {}, "errors": [],
     }
     M, P = res["monarch_nb"], res["ipyparallel"]
@@ -227,6 +270,7 @@ def main() -> int:
     order = [N, 1] if N != 1 else [1]
     if have_floor:
         floor_pass(N, floor_calls, order, res)
+    pull_floor_pass(N, res)
 
     mesh = cluster = rc = None
     arr = np.zeros(PUSH_BYTES, dtype=np.uint8)
@@ -309,6 +353,7 @@ def main() -> int:
         # before or after cannot skew the ratio alone
         if have_floor:
             floor_pass(N, floor_calls, order, res)
+        pull_floor_pass(N, res)
 
         # ---- 64 MiB pushes, round-robin
         pushes: dict[str, tuple[dict[str, Any], str, Callable[[], Any], int]] = {}
@@ -357,6 +402,52 @@ def main() -> int:
                     P["push_check"] = str(rc[:].pull("_bench_n", block=True))
             except Exception as exc:
                 res["errors"].append(f"push check: {type(exc).__name__}: {exc}")
+
+        # ---- 64 MiB pulls from every rank, round-robin (x is on the ranks
+        # from the pushes: numpy in both systems)
+        pulls: dict[str, tuple[dict[str, Any], str, Callable[[], Any], int]] = {}
+        if mesh is not None:
+            mesh.push(x=arr)
+            pulls["mnb_numpy"] = (M, "pull_numpy", lambda: mesh.pull("x"), push_runs)
+        if rc is not None:
+            v = rc[:]
+            v.push({"x": arr}, block=True)
+            pulls["ipp_numpy"] = (P, "pull_numpy", lambda: v.pull("x", block=True), ipp_push_runs)
+        if pulls:
+            lsamples: dict[str, list[float]] = {k: [] for k in pulls}
+            lfailed: set[str] = set()
+            log("pull warm-up")
+            for name, (_, _, fn, _) in pulls.items():
+                try:
+                    got = fn()
+                    n_got = len(got)
+                    if n_got != N or any(int(np.asarray(x).nbytes) != PUSH_BYTES for x in
+                                         (got.values() if isinstance(got, dict) else got)):
+                        raise RuntimeError(f"pulled {n_got} values of the wrong size")
+                    del got
+                except Exception as exc:
+                    lfailed.add(name)
+                    res["errors"].append(f"pull {name}: {type(exc).__name__}: {exc}")
+                    log(f"pull {name} failed: {exc}")
+            for i in range(max(p[3] for p in pulls.values())):
+                log(f"pull round {i + 1}")
+                for name, (_, _, fn, runs) in pulls.items():
+                    if i >= runs or name in lfailed:
+                        continue
+                    try:
+                        gc.collect()
+                        lsamples[name] += timed(fn, 1)
+                    except Exception as exc:
+                        lfailed.add(name)
+                        res["errors"].append(f"pull {name}: {type(exc).__name__}: {exc}")
+                        log(f"pull {name} failed: {exc}")
+            for name, (store, key, _, _) in pulls.items():
+                xs = lsamples[name]
+                if xs:
+                    store[key] = {"median_s": med(xs), "min_s": min(xs), "n": len(xs),
+                                  "mib_per_s_aggregate": MIB * N / med(xs), "samples_s": xs}
+        if mesh is not None:
+            M["dataplane"] = mesh.dataplane
     finally:
         log("stopping mesh / cluster")
         if mesh is not None:
@@ -369,6 +460,7 @@ def main() -> int:
     # ---- floor, second pass (reverse order) to bracket the run
     if have_floor and not a.quick:
         floor_pass(N, floor_calls, list(reversed(order)), res)
+        pull_floor_pass(N, res)
 
     res["config"]["loadavg_end"] = os.getloadavg()
     res["total_s"] = time.perf_counter() - t_all
@@ -384,6 +476,9 @@ def main() -> int:
     rs = runs.get(str(N), [])
     if rs:
         F["push_mib_per_s"] = med([r["push_mib_per_s_aggregate"] for r in rs])
+    prs = res["floor"]["pull_runs"]
+    if prs:
+        F["pull_mib_per_s"] = med([r["pull_mib_per_s_aggregate"] for r in prs])
     res["floor"]["summary"] = F
 
     def g(d: dict[str, Any], *path: str) -> Any:
@@ -406,6 +501,9 @@ def main() -> int:
          None, True),
         (f"push {MIB} MiB torch tensor to {N} ranks (aggregate MiB/s)", F.get("push_mib_per_s"),
          g(M, "push_torch", "mib_per_s_aggregate"), None, None, True),
+        (f"pull {MIB} MiB numpy from {N} ranks (aggregate MiB/s)", F.get("pull_mib_per_s"),
+         g(M, "pull_numpy", "mib_per_s_aggregate"), g(P, "pull_numpy", "mib_per_s_aggregate"),
+         None, True),
         (f"cold start, {N} ranks (s, median of {cold_samples})", None,
          med(M.get("cold_start_s") or []), med(P.get("cold_start_s") or []), None, False),
     ]
@@ -448,18 +546,26 @@ def main() -> int:
         f"{N}-engine cluster / zmq_floor.py --ranks 1.",
         f"samples: monarch_nb {a.calls} calls per no-op figure, ipyparallel {a.ipp_calls}, in "
         f"{rounds} interleaved blocks after warm-up; pushes {push_runs} (monarch_nb) / "
-        f"{ipp_push_runs} (ipyparallel) interleaved; floor = median of "
-        f"{len(runs.get(str(N), []))} zmq_floor.py runs.",
+        f"{ipp_push_runs} (ipyparallel) interleaved, pulls the same; floor = median of "
+        f"{len(runs.get(str(N), []))} zmq_floor.py runs (pull: {len(prs)} pull_floor.py runs).",
+        "monarch_nb moves values of 1 MiB or more to and from local ranks through shared "
+        "memory (one copy in the sender; each rank maps its own copy-on-write view), so its "
+        "push and pull may exceed the socket floor.",
     ]
     mn4, fl4 = g(M, f"noop_{N}_us", "median"), F.get(f"noop_{N}_us")
-    mp, ipp_p = g(M, "push_numpy", "mib_per_s_aggregate"), g(P, "push_numpy", "mib_per_s_aggregate")
     now = []
     if mn4 is not None and fl4:
         now.append(f"no-op {N} ranks = {mn4 / fl4:.2f}x floor ({'met' if mn4 / fl4 <= 2.0 else 'not met'})")
-    if mp is not None and ipp_p:
-        now.append(f"push = {mp / ipp_p:.2f}x ipyparallel ({'met' if mp >= ipp_p else 'not met'})")
+    for what in ("push", "pull"):
+        mp = g(M, f"{what}_numpy", "mib_per_s_aggregate")
+        ipp_p = g(P, f"{what}_numpy", "mib_per_s_aggregate")
+        if mp is not None and ipp_p:
+            met = mp >= 4 * ipp_p and mp * 2**20 >= 2e9
+            now.append(f"{what} = {mp / ipp_p:.2f}x ipyparallel, {mp * 2**20 / 1e9:.2f} GB/s "
+                       f"({'met' if met else 'not met'})")
     lines.append("")
-    lines.append(f"target: no-op {N} ranks <= 2.0x floor; push >= ipyparallel"
+    lines.append(f"target: no-op {N} ranks <= 2.0x floor; push and pull {MIB} MiB >= 4x "
+                 "ipyparallel and >= 2 GB/s aggregate"
                  + (f"   [now: {'; '.join(now)}]" if now else ""))
     if res["errors"]:
         lines.append("")

@@ -40,6 +40,7 @@ ENV_CONTROLLER_TIMEOUT = "MONARCH_NB_CONTROLLER_TIMEOUT"  # s without a ping -> 
 ENV_GENERATION = "MONARCH_NB_GENERATION"
 ENV_IDENTITY = "MONARCH_NB_IDENTITY"  # socket identity prefix, with a random token
 ENV_MAX_MESSAGE = "MONARCH_NB_MAX_MESSAGE"  # results larger than this are refused
+ENV_SHM = "MONARCH_NB_SHM_THRESHOLD"  # local ranks: frames this big go by shared memory
 # CurveZMQ (non-loopback meshes): the controller's public key and this rank's
 # client key pair, Z85 text. The secret travels like the HMAC key: environment
 # or 0600 file, never argv.
@@ -95,6 +96,11 @@ class MeshConfig:
         for this many seconds gets the grouped stacks of its ranks printed
         into its cell, once; ``None`` or 0 turns the watchdog off. Calls can set
         their own (``%%monarch --hang-timeout``).
+    shm_threshold: payload frames (array and tensor buffers, mostly) of at
+        least this many bytes travel between the controller and *local* ranks
+        through shared memory (wire/shm.py): written once for all ranks, each
+        rank gets its own copy-on-write view. ``None`` turns it off (every
+        byte through the sockets). Ranks on other hosts always use the sockets.
     """
 
     n: int | None = None
@@ -118,6 +124,7 @@ class MeshConfig:
     master_addr: str | None = None
     insecure_no_encryption: bool = False
     join_dir: str | None = None
+    shm_threshold: int | None = 1 << 20
 
     def __post_init__(self) -> None:
         if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1):
@@ -145,6 +152,11 @@ class MeshConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise UsageError(f"{name} must be a positive number, not {value!r}")
+        if self.shm_threshold is not None and (
+                isinstance(self.shm_threshold, bool) or not isinstance(self.shm_threshold, int)
+                or self.shm_threshold < 1):
+            raise UsageError(f"shm_threshold must be a positive number of bytes or None (off), "
+                             f"not {self.shm_threshold!r}")
         if not _valid_bind(self.bind):
             raise UsageError(f"bind address {self.bind!r} is not a host name, an IP address "
                              "or * (every interface)")
@@ -199,6 +211,7 @@ class RankEnv:
     identity: str
     max_message_bytes: int
     curve: tuple[bytes, bytes, bytes] | None = None  # server public, own public, own secret
+    shm_threshold: int | None = None  # None: no shared memory (a remote or joined rank)
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> RankEnv:
@@ -228,6 +241,7 @@ class RankEnv:
             identity=env.get(ENV_IDENTITY) or f"r{env['RANK']}.{env.get(ENV_INCARNATION, '0')}",
             max_message_bytes=int(env.get(ENV_MAX_MESSAGE, str(4 << 30))),
             curve=_curve_keys(env),
+            shm_threshold=int(env[ENV_SHM]) if env.get(ENV_SHM, "").isdigit() else None,
         )
 
 

@@ -438,6 +438,16 @@ class Mesh(_RankSet):
         """Inbound messages dropped by reason (bad-signature, replay, ...)."""
         return dict(self._ctl.io.dropped)
 
+    @property
+    def dataplane(self) -> dict[str, int]:
+        """What went through shared memory with the local ranks (counts):
+        ``segments`` (calls whose big arguments, pushes included, went by
+        shared memory) and their ``bytes``, ``mapped`` (big results and
+        pulls taken from the ranks' segments), ``open`` (segments of calls
+        still in flight), ``fallbacks`` (sent by socket: no shared memory
+        could be made), ``refused`` (descriptors refused)."""
+        return self._ctl.dataplane.stats()
+
     def logs(self, rank: int, tail: int = 100) -> list[str]:
         """The last ``tail`` lines a rank wrote, earlier incarnations of a
         respawned rank included (each under a header saying how it ended)."""

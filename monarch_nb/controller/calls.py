@@ -22,6 +22,7 @@ from ..futures import MeshFuture
 from ..wire.protocol import Codec, Kind
 from ..wire.transport import IOLoop
 from .calltable import CallTable, PendingCall
+from .dataplane import DataPlane
 from .inspector import Inspector
 from .output import CallOutput
 from .rankstates import GONE, RankState
@@ -33,7 +34,8 @@ class Caller:
     """Sends calls and waits for them; every thread may use it."""
 
     def __init__(self, cfg: MeshConfig, ranks: RankTable, calls: CallTable, io: IOLoop,
-                 codec: Codec, recovery: Recovery, inspector: Inspector) -> None:
+                 codec: Codec, recovery: Recovery, inspector: Inspector,
+                 dataplane: DataPlane | None = None) -> None:
         self.cfg = cfg
         self.ranks = ranks
         self.calls = calls
@@ -41,6 +43,7 @@ class Caller:
         self.codec = codec
         self.recovery = recovery
         self.inspector = inspector
+        self.dataplane = dataplane or DataPlane("", None, cfg.max_message_bytes)
         self.interrupt_where: dict[int, dict[int, str]] = {}  # call -> rank -> where it was
 
     def submit(self, kind: Kind, ranks: tuple[int, ...], payload: list[Any],
@@ -50,7 +53,11 @@ class Caller:
         self.refuse_dead(ranks)
         call_id = self.calls.next_id()
         frames, elastic = self._sign_call(kind, payload, call_id, meta)
-        call = self._new_call(call_id, kind, ranks, meta, output, hang_timeout, frames, elastic)
+        try:
+            call = self._new_call(call_id, kind, ranks, meta, output, hang_timeout, frames, elastic)
+        except BaseException:
+            self.dataplane.release(call_id)
+            raise
         self.io.call_soon(lambda: self.dispatch(call))
         return call.future
 
@@ -72,7 +79,11 @@ class Caller:
         frames, elastic = self._sign_call(kind, payload, call_id, meta)
         deadline = None if timeout is None else time.monotonic() + timeout
         io = self.io
-        io.lead()
+        try:
+            io.lead()
+        except BaseException:
+            self.dataplane.release(call_id)
+            raise
         try:
             io.run_commands()  # earlier requests (restart, interrupt) go first
             idents = self.ranks.sendable(ranks)  # (after those: they may change a state)
@@ -92,6 +103,10 @@ class Caller:
             if on_future is not None:
                 on_future(future)
             self._lead_until(future, deadline)
+        except BaseException:
+            if call_id not in self.calls:  # never recorded (refused): nobody maps it
+                self.dataplane.release(call_id)
+            raise
         finally:
             io.unlead()
         if not future.done() and not io.stopping and self.inspector.prompt_ready(call_id):
@@ -164,7 +179,21 @@ class Caller:
     def _sign_call(self, kind: Kind, payload: list[Any], call_id: int,
                    meta: dict[str, Any] | None) -> tuple[list[Any], bool]:
         """The call's frames, signed once whatever the number of ranks (the
-        same frames go to each), and whether the call is elastic."""
+        same frames go to each), and whether the call is elastic. Big
+        frames go into one shared-memory segment for all the ranks (its
+        descriptor is in the signed meta): dataplane.py."""
+        if payload and kind is Kind.CALL:
+            payload, desc = self.dataplane.pack_call(call_id, payload)
+            if desc is not None:
+                meta = {**(meta or {}), "shm": desc}
+        try:
+            return self._sign(kind, payload, call_id, meta)
+        except BaseException:
+            self.dataplane.release(call_id)
+            raise
+
+    def _sign(self, kind: Kind, payload: list[Any], call_id: int,
+              meta: dict[str, Any] | None) -> tuple[list[Any], bool]:
         if not (meta and meta.get("elastic")):
             return self.codec.sign(kind, payload, call=call_id, meta=meta), False
         if self.cfg.respawn == "off":
@@ -191,6 +220,7 @@ class Caller:
         ranks are back and the group is re-formed; a rank that is gone for
         good answers with its death."""
         if call.future.done():
+            self.dataplane.release(call.call_id)
             return  # cancelled, or the mesh stopped, while it waited
         if self.recovery.must_wait(call.ranks):
             self.calls.wait(call)

@@ -14,6 +14,7 @@ The parts, each owning its state (DESIGN.md, architecture rule 5)::
     Recovery    recovery.py    deaths, respawns, re-formations (the policy's hands)
     Inspector   inspector.py   stacks, hang watchdog, debugger relay
     Supervisor  supervisor.py  rank processes, forked on the spawner thread
+    DataPlane   dataplane.py   shared-memory segments of big payloads (local ranks)
     MetricsStore metricstore.py every rank's mnb.log series
 
 A rank's RESULT is held back until all OUTPUT chunks and METRICS batches it
@@ -37,13 +38,14 @@ from ..backends import BackendInfo
 from ..config import LOOPBACK, MeshConfig
 from ..errors import MonarchError, RemoteError
 from ..futures import MeshFuture
-from ..wire import serialize
+from ..wire import serialize, shm
 from ..wire.metricframes import decode as decode_metrics
 from ..wire.protocol import Codec, Kind, Message, new_key
 from ..wire.transport import CurveKeys, IOLoop
 from . import liveness
 from .calls import Caller
 from .calltable import CallTable, PendingCall
+from .dataplane import DataPlane
 from .events import Event, EventKind
 from .inspector import Inspector
 from .launchers import Launcher, LocalLauncher
@@ -85,7 +87,13 @@ class Controller:
             extra_env={**dict(cfg.extra_env), **(self.curve.rank_env() if self.curve else {})},
             max_message_bytes=cfg.max_message_bytes, launcher=launcher or LocalLauncher(),
             restart_budget=cfg.restart_budget,
+            shm_threshold=cfg.shm_threshold,
         )
+        # Shared memory only with ranks on this host (the supervisor gives
+        # remote ranks no threshold either, so they never send a descriptor).
+        self.dataplane = DataPlane(self.mesh_id,
+                                   None if self.supervisor.launcher.remote else cfg.shm_threshold,
+                                   cfg.max_message_bytes)
         self.ranks = RankTable(world_size)
         self.liveness = liveness.Liveness(cfg.heartbeat_timeout)
         self.calls = CallTable()
@@ -105,7 +113,7 @@ class Controller:
         self.inspector = Inspector(self.ranks, self.calls, self.io, self.codec, self._notify,
                                    recovering=self._recovering)
         self.caller = Caller(cfg, self.ranks, self.calls, self.io, self.codec, self.recovery,
-                             self.inspector)
+                             self.inspector, self.dataplane)
         self.calls.on_rank_done = self._rank_done
         self.calls.on_finished = self._call_finished
 
@@ -242,6 +250,7 @@ class Controller:
             if info.state != RankState.STOPPED:
                 self.ranks.move(info.rank, RankState.STOPPED)
         self.ranks.record(-1, EventKind.STOPPED)
+        self.dataplane.close_all()
         self.supervisor.cleanup_logs()
 
     # -- I/O thread: messages -----------------------------------------------------------
@@ -319,6 +328,8 @@ class Controller:
 
     def _on_result(self, info: RankInfo, msg: Message) -> None:
         call = self.calls.get(msg.call)
+        if "shm" in msg.meta and not self._attach(info, msg, call):
+            return
         if call is None or info.rank not in call.remaining:
             return
         if not msg.meta:  # a plain success: no output, no chunks to wait for, no error
@@ -334,6 +345,27 @@ class Controller:
             call.held[info.rank] = msg  # output chunks still on their way
             return
         self._complete_rank(call, info, msg)
+
+    def _attach(self, info: RankInfo, msg: Message, call: PendingCall | None) -> bool:
+        """Put the frames a rank sent by shared memory back into ``msg``
+        (mapped from the rank's own process only), then let the rank close
+        its segment, whatever became of the mapping. False: refused (the
+        call gets the rank's error instead)."""
+        desc = msg.meta["shm"]
+        proc = self.supervisor.procs.get(info.rank)
+        peer = None if proc is None or self.dataplane.threshold is None else proc.pid
+        try:
+            msg.payload = self.dataplane.attach(msg.payload, desc, peer)
+            return True
+        except shm.ShmError as exc:
+            log.warning("monarch_nb: rank %d's result: shared memory refused: %s", info.rank, exc)
+            if call is not None and info.rank in call.remaining:
+                self.calls.complete(call, info.rank, error=RemoteError(
+                    info.rank, "SerializationError",
+                    f"the result arrived but its shared memory was refused: {exc}", ""))
+            return False
+        finally:
+            self.io.send(info.ctl_id, self.codec.sign(Kind.RELEASE, meta={"tok": shm.token_of(desc)}))
 
     def _complete_rank(self, call: PendingCall, info: RankInfo, msg: Message) -> None:
         payload, meta = msg.payload, msg.meta
@@ -364,6 +396,7 @@ class Controller:
             self.ranks.move(rank, RankState.READY)
 
     def _call_finished(self, call: PendingCall) -> None:
+        self.dataplane.release(call.call_id)  # every rank answered: they mapped it
         inspector = self.inspector
         if inspector.prompts or inspector.debug_focus:
             inspector.release_focus(call.call_id, -1)  # forget its debugger prompts

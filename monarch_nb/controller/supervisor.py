@@ -65,6 +65,7 @@ class Supervisor:
     generation: int = 0
     controller_timeout: float = 10.0
     max_message_bytes: int = 4 << 30
+    shm_threshold: int | None = None  # local ranks only (wire/shm.py)
     restart_budget: int = config.MeshConfig.restart_budget  # torchrun's TORCHELASTIC_MAX_RESTARTS
     extra_env: dict[str, str] = field(default_factory=dict)
     launcher: Launcher = field(default_factory=LocalLauncher)
@@ -133,9 +134,12 @@ class Supervisor:
             config.ENV_MAX_MESSAGE: str(self.max_message_bytes),
             "PYTHONUNBUFFERED": "1",
         })
+        env.pop(config.ENV_SHM, None)
         if self.launcher.remote:
             env.pop(config.ENV_PARENT_PID, None)  # its parent is ssh/srun's, not us
         else:
+            if self.shm_threshold is not None:  # same host: big frames by shared memory
+                env[config.ENV_SHM] = str(self.shm_threshold)
             # Local ranks talk over loopback only (gloo would otherwise pick the
             # interface the host name resolves to).
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -45,7 +45,7 @@ from .. import config
 from ..backends import JoinAborted, JoinFailed, init_group, leave_group
 from ..config import RankEnv
 from ..errors import is_peer_loss
-from ..wire import serialize
+from ..wire import serialize, shm
 from ..wire.metricframes import encode as encode_metrics
 from ..wire.protocol import Codec, Kind, Message
 from ..wire.transport import dealer, recv_verified, send_frames, socket_send
@@ -100,6 +100,11 @@ class Worker:
         # served first, in order, once the current call is over.
         self.pending: collections.deque[Message] = collections.deque()
         self.finished: collections.deque[int] = collections.deque(maxlen=4096)
+        # Shared memory with the controller (wire/shm.py): only a rank on its
+        # controller's host, which knows the controller's pid, uses it. The
+        # segments of results sent, by token, until the controller's RELEASE.
+        self.shm_peer = env.parent_pid if env.shm_threshold is not None else None
+        self.segments: dict[str, shm.Segment] = {}
         self.stopping = False
         self.main_thread_id = threading.get_ident()
         self.last_ping = time.monotonic()
@@ -196,7 +201,12 @@ class Worker:
                     self.cancelled.discard(call)
                     raise KeyboardInterrupt("interrupted before it started")
                 if msg.kind == Kind.CALL:
-                    fn, args, kwargs = self.calls.load(msg.payload)
+                    frames = msg.payload
+                    if "shm" in msg.meta:  # verified message: map the big frames
+                        frames = shm.attach(frames, msg.meta["shm"], peer_pid=self.shm_peer,
+                                            mesh_id=self.env.mesh_id,
+                                            max_bytes=self.env.max_message_bytes)
+                    fn, args, kwargs = self.calls.load(frames)
                     value = fn(*args, **kwargs)
                 else:
                     value = self._run_cell(msg.meta["code"], msg.meta.get("name", "<mnb-cell>"))
@@ -254,9 +264,22 @@ class Worker:
                 }
         if meta.get("ok", True) is False:
             meta["error"] = error
+        threshold = self.env.shm_threshold
+        if self.shm_peer is not None and threshold is not None and payload and any(
+                memoryview(p).nbytes >= threshold for p in payload):
+            notes: list[str] = []  # a fallback's notice goes into this call's output
+            payload, desc, seg = shm.pack(payload, self.env.mesh_id, threshold, notes.append)
+            if seg is not None and desc is not None:
+                self.segments[desc["tok"]] = seg  # closed on the controller's RELEASE
+                meta["shm"] = desc
+            if notes:
+                tail = [*tail, *(["stderr", line + "\n"] for line in notes)]
         if tail:  # output text travels as a JSON frame, never in the header
             meta["o"] = 1
             payload = [_json(tail), *payload]
+            if "shm" in meta:  # the frames' positions move one down
+                for where in meta["shm"]["at"]:
+                    where[0] += 1
         if payload:
             self._send_main(Kind.RESULT, payload, call=call, meta=meta)
         else:  # one frame: no send_frames loop
@@ -397,7 +420,8 @@ class Worker:
     def _describe(self, exc: BaseException) -> dict[str, str]:
         tb = exc.__traceback__
         # Hide the worker's own frames: the user wants their code, not ours.
-        while tb is not None and tb.tb_frame.f_code.co_filename in (_WORKER_FILE, serialize.__file__):
+        while tb is not None and tb.tb_frame.f_code.co_filename in (_WORKER_FILE, serialize.__file__,
+                                                                    shm.__file__):
             tb = tb.tb_next
         text = "".join(traceback.format_exception(type(exc), exc, tb))
         name = type(exc).__qualname__
@@ -493,6 +517,10 @@ class Worker:
                            if flight else None)
         elif msg.kind == Kind.INPUT:
             self.stdin.answer(str(msg.meta.get("text", "")))
+        elif msg.kind == Kind.RELEASE:  # the controller mapped a result's segment
+            seg = self.segments.pop(str(msg.meta.get("tok", "")), None)
+            if seg is not None:
+                seg.close()
 
     def _send_ctl(self, kind: Kind, *, call: int = 0, meta: dict[str, Any] | None = None,
                   payload: list[Any] | None = None) -> None:

@@ -67,7 +67,7 @@ class Kind(str, enum.Enum):
     """Message kinds. Controller -> rank first, then rank -> controller.
     What each kind's meta holds is :data:`META` (the one schema)."""
 
-    CALL = "call"  # run a pickled function (payload: fn, args, kwargs; meta: elastic, generation, check)
+    CALL = "call"  # run a pickled function (payload: fn, args, kwargs; meta: elastic, generation, check, shm)
     EXEC = "exec"  # run cell code (meta: code, name, setup, elastic, generation, check)
     INTERRUPT = "interrupt"  # raise KeyboardInterrupt in the main thread for call c
     PING = "ping"  # controller liveness; ranks exit when pings stop
@@ -78,7 +78,7 @@ class Kind(str, enum.Enum):
     HELLO = "hello"  # rank process is up (meta: pid, incarnation, host)
     READY = "ready"  # rank joined torch.distributed (meta: device, pid)
     FAILED_START = "failed_start"  # rank could not start (meta: error, tb)
-    RESULT = "result"  # call c finished (meta: ok, error, n_out, n_m, o; payload: output?, value)
+    RESULT = "result"  # call c finished (meta: ok, error, n_out, n_m, o, shm; payload: output?, value)
     OUTPUT = "output"  # stdout/stderr text of call c (meta: n, the chunk no.; payload: JSON)
     HEARTBEAT = "heartbeat"  # control thread alive (meta: busy call, h: health figures)
     INTERRUPTED = "interrupted"  # answer to INTERRUPT (meta: where the main thread was)
@@ -88,6 +88,9 @@ class Kind(str, enum.Enum):
     METRICS = "metrics"  # batched mnb.log points (meta: n; payload: metricframes JSON)
     INPUT = "input"  # a line typed for a rank's debugger (meta: text)
     PROMPT = "prompt"  # a rank's debugger waits for a line (meta: prompt)
+    # (last, so the kinds above keep their codes: a remote rank of the same
+    # protocol version never gets this one, as it never gets shared memory)
+    RELEASE = "release"  # controller -> rank: its result's segment is mapped (meta: tok)
 
 
 # What each kind's meta may hold, and of what JSON type: the one place the
@@ -99,7 +102,9 @@ _S, _I, _B, _D, _L = (str,), (int,), (bool,), (dict,), (list,)
 _OPT_I = (int, type(None))
 META: dict[Kind, dict[str, tuple[type, ...]]] = {
     # generation: the group the call started in; check: strict mode (engine/flightrec.py)
-    Kind.CALL: {"elastic": _B, "generation": _I, "check": _I},
+    # shm: a descriptor of payload frames in shared memory (wire/shm.py;
+    # its fields are checked there, after verify, before anything is mapped)
+    Kind.CALL: {"elastic": _B, "generation": _I, "check": _I, "shm": _D},
     Kind.EXEC: {"code": _S, "name": _S, "setup": _B, "elastic": _B, "generation": _I,
                 "check": _I},
     Kind.STACKS: {"flight": _I},  # also the newest N flight-recorder records
@@ -109,7 +114,7 @@ META: dict[Kind, dict[str, tuple[type, ...]]] = {
     # RESULT: ok (default true), error {type, msg, tb} when not ok, n_out / n_m:
     # OUTPUT chunks / METRICS batches sent before it on the control socket,
     # o: payload frame 0 is the last output (JSON), then the value
-    Kind.RESULT: {"ok": _B, "error": _D, "n_out": _I, "n_m": _I, "o": _I},
+    Kind.RESULT: {"ok": _B, "error": _D, "n_out": _I, "n_m": _I, "o": _I, "shm": _D},
     Kind.OUTPUT: {"n": _I},  # chunk number within the call, -1: uncounted
     Kind.METRICS: {"n": _I},  # batch number within the call, -1: uncounted
     Kind.HEARTBEAT: {"busy": _I, "h": _D},  # busy: the call running (0: idle); h: health
@@ -119,6 +124,7 @@ META: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.REFORMED: {"generation": _I, "joining": _B, "error": _S},
     Kind.INPUT: {"text": _S},
     Kind.PROMPT: {"prompt": _S},
+    Kind.RELEASE: {"tok": _S},
 }
 
 
