@@ -161,7 +161,9 @@ LOST = """
     os.environ["MONARCH_NB_SSH"] = "ip netns exec {host} sh -c"
     mesh = Mesh.start(n=2, backend="cpu", launcher="ssh", hosts=hosts, bind=bind,
                       master_addr=master, start_timeout=90, respawn="off",
-                      controller_timeout=3.0)
+                      controller_timeout=3.0, heartbeat_timeout=60.0)
+    # (the controller must not kill them first for their own silence: the
+    # ranks are to find out on their own)
     pids = mesh.run(os.getpid)
     print("READY " + json.dumps(dict(pids)), flush=True)
     sys.stdin.readline()  # the test cut this namespace's link

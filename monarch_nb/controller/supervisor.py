@@ -174,6 +174,8 @@ class Supervisor:
 
     def spawn(self, rank: int, incarnation: int, identity: str) -> RankProcess:
         log_path = os.path.join(self.log_dir, f"rank{rank}.{incarnation}.log")
+        if self.closed:  # stopping: the process is killed at once (below), its log is gone
+            log_path = os.devnull
         env = self.env_for(rank, incarnation, identity)
         popen = None
         if self.spare is not None:  # a waiting spare becomes this rank at once
@@ -303,6 +305,10 @@ class Supervisor:
         including any child processes the user's code started."""
         with self._lock:
             self.closed = True
+        # the logs go first: a kernel killed during the grace below (Jupyter
+        # kills one that takes over 5 s to shut down) must not leave them
+        # behind; ranks still writing keep their open files until they exit
+        self.cleanup_logs()
         for proc in self.history:
             _close_stdin(proc)  # remote ranks and join sentinels: leave now
         alive = []
