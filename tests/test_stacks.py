@@ -80,3 +80,19 @@ def test_idle_and_dead_ranks() -> None:
 def test_short_path() -> None:
     assert short_path(C10D) == "torch/distributed/distributed_c10d.py"
     assert short_path("<mnb-cell-3>") == "<mnb-cell-3>"
+
+
+def test_a_frame_being_torn_down_has_no_line_and_is_still_listed() -> None:
+    # f_lineno is None for a frame whose function is returning while a
+    # destructor runs in it (gloo's group freed in backends._free_group):
+    # the control thread died on it once, taking heartbeats and stacks along
+    from types import SimpleNamespace
+
+    from monarch_nb.engine.debug import frames_of
+
+    code = SimpleNamespace(co_filename="/x/monarch_nb/backends.py", co_name="_free_group")
+    outer = SimpleNamespace(f_code=SimpleNamespace(co_filename="<mnb-cell-3>", co_name="<module>"),
+                            f_lineno=2, f_back=None)
+    inner = SimpleNamespace(f_code=code, f_lineno=None, f_back=outer)
+    assert frames_of(inner) == [["<mnb-cell-3>", 2, "<module>", ""],
+                                ["/x/monarch_nb/backends.py", 0, "_free_group", ""]]

@@ -49,8 +49,11 @@ def frames_of(frame: Any) -> list[Frame]:
     while frame is not None:
         code = frame.f_code
         if not _is_machinery(code.co_filename):
-            line = linecache.getline(code.co_filename, frame.f_lineno).strip()
-            out.append([code.co_filename, frame.f_lineno, code.co_name, line])
+            # f_lineno is None for a frame being torn down (seen while a
+            # destructor runs inside one: gloo's group, freed on return)
+            lineno = frame.f_lineno or 0
+            line = linecache.getline(code.co_filename, lineno).strip() if lineno else ""
+            out.append([code.co_filename, lineno, code.co_name, line])
         frame = frame.f_back
     out.reverse()
     return out

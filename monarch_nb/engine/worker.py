@@ -137,7 +137,7 @@ class Worker:
         faulthandler.enable(2, all_threads=True)  # fd 2: the rank's log
         self._sigint = self._on_sigint  # one bound method, compared after each call
         signal.signal(signal.SIGINT, self._sigint)
-        threading.Thread(target=self._control_loop, name=debug.CONTROL_THREAD, daemon=True).start()
+        threading.Thread(target=self._control_thread, name=debug.CONTROL_THREAD, daemon=True).start()
         try:
             device = init_group(env.backend, env.rank, env.world_size, env.master_addr,
                                 env.master_port)
@@ -441,6 +441,17 @@ class Worker:
         send_frames(self.main_sock, frames)
 
     # -- control thread ------------------------------------------------------------
+    def _control_thread(self) -> None:
+        """The control loop; should it ever end by an error, the rank exits:
+        without it nobody answers heartbeats, interrupts or stacks, and the
+        controller could only guess (liveness.py would call it busy)."""
+        try:
+            self._control_loop()
+        except BaseException:
+            print(f"monarch_nb rank {self.env.rank}: the control thread failed, exiting:\n"
+                  f"{traceback.format_exc()}", file=sys.__stderr__, flush=True)
+            os._exit(4)
+
     def _control_loop(self) -> None:
         sock, env = self.ctl_sock, self.env
         self._send_ctl(Kind.HELLO, meta={"pid": os.getpid(), "incarnation": env.incarnation,
@@ -462,7 +473,11 @@ class Worker:
                     if msg is None:
                         break
                     self.last_ping = now
-                    self._control(msg)
+                    try:
+                        self._control(msg)
+                    except Exception:  # one bad request must not end the control thread
+                        print(f"monarch_nb rank {env.rank}: serving a {msg.kind.value} "
+                              f"request failed:\n{traceback.format_exc()}", file=sys.__stderr__)
             chunk = self.output.take_chunk()
             if chunk is not None:
                 call, n, items = chunk
