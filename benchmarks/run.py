@@ -84,6 +84,53 @@ def timed(fn: Callable[[], Any], n: int) -> list[float]:
 
 
 # --------------------------------------------------------------------------- floor
+
+Bulk = dict[str, tuple[dict[str, Any], str, Callable[[], Any], int]]
+
+
+def _bulk_rounds(what: str, jobs: Bulk, n_ranks: int, res: dict[str, Any],
+                 check: Callable[[Any], None] | None = None) -> set[str]:
+    """64 MiB transfers, round-robin: ``jobs`` maps a name to (where to
+    store, key, the transfer, runs). One warm-up each (its result checked
+    by ``check``), then ``runs`` timed rounds; a failing one is dropped
+    and noted in ``res["errors"]``. Returns the names that failed."""
+    samples: dict[str, list[float]] = {k: [] for k in jobs}
+    failed: set[str] = set()
+
+    def attempt(name: str, run: Callable[[], None]) -> None:
+        try:
+            run()
+        except Exception as exc:
+            failed.add(name)
+            res["errors"].append(f"{what} {name}: {type(exc).__name__}: {exc}")
+            log(f"{what} {name} failed: {exc}")
+
+    log(f"{what} warm-up")
+    for name, (_, _, fn, _) in jobs.items():
+        attempt(name, lambda fn=fn: (check or (lambda _: None))(fn()))
+    for i in range(max(j[3] for j in jobs.values())):
+        log(f"{what} round {i + 1}")
+        for name, (_, _, fn, runs) in jobs.items():
+            if i < runs and name not in failed:
+                gc.collect()
+                attempt(name, lambda fn=fn, name=name: samples[name].extend(timed(fn, 1)))
+    for name, (store, key, _, _) in jobs.items():
+        xs = samples[name]
+        if xs:
+            store[key] = {"median_s": med(xs), "min_s": min(xs), "n": len(xs),
+                          "mib_per_s_aggregate": MIB * n_ranks / med(xs), "samples_s": xs}
+    return failed
+
+
+def _check_pulled(n_ranks: int) -> Callable[[Any], None]:
+    import numpy as np
+
+    def check(got: Any) -> None:
+        values = got.values() if isinstance(got, dict) else got
+        if len(got) != n_ranks or any(int(np.asarray(x).nbytes) != PUSH_BYTES for x in values):
+            raise RuntimeError(f"pulled {len(got)} values of the wrong size")
+    return check
+
 def run_floor(ranks: int, calls: int) -> dict[str, Any]:
     """One zmq_floor.py run (FLOOR_SCRIPT: ``--floor-script`` where the
     checkout is not beside shared/, e.g. a git worktree)."""
@@ -356,7 +403,7 @@ def main() -> int:
         pull_floor_pass(N, res)
 
         # ---- 64 MiB pushes, round-robin
-        pushes: dict[str, tuple[dict[str, Any], str, Callable[[], Any], int]] = {}
+        pushes: Bulk = {}
         if mesh is not None:
             pushes["mnb_numpy"] = (M, "push_numpy", lambda: mesh.push(x=arr), push_runs)
             if tens is not None:
@@ -366,33 +413,7 @@ def main() -> int:
             pushes["ipp_numpy"] = (P, "push_numpy", lambda: v.push({"x": arr}, block=True),
                                    ipp_push_runs)
         if pushes:
-            psamples: dict[str, list[float]] = {k: [] for k in pushes}
-            pfailed: set[str] = set()
-            log("push warm-up")
-            for name, (_, _, fn, _) in pushes.items():
-                try:
-                    fn()
-                except Exception as exc:
-                    pfailed.add(name)
-                    res["errors"].append(f"push {name}: {type(exc).__name__}: {exc}")
-                    log(f"push {name} failed: {exc}")
-            for i in range(max(p[3] for p in pushes.values())):
-                log(f"push round {i + 1}")
-                for name, (_, _, fn, runs) in pushes.items():
-                    if i >= runs or name in pfailed:
-                        continue
-                    try:
-                        gc.collect()
-                        psamples[name] += timed(fn, 1)
-                    except Exception as exc:
-                        pfailed.add(name)
-                        res["errors"].append(f"push {name}: {type(exc).__name__}: {exc}")
-                        log(f"push {name} failed: {exc}")
-            for name, (store, key, _, _) in pushes.items():
-                xs = psamples[name]
-                if xs:
-                    store[key] = {"median_s": med(xs), "min_s": min(xs), "n": len(xs),
-                                  "mib_per_s_aggregate": MIB * N / med(xs), "samples_s": xs}
+            pfailed = _bulk_rounds("push", pushes, N, res)
             # check the data actually arrived (once, not timed)
             try:
                 if mesh is not None and "mnb_torch" not in pfailed:
@@ -405,7 +426,7 @@ def main() -> int:
 
         # ---- 64 MiB pulls from every rank, round-robin (x is on the ranks
         # from the pushes: numpy in both systems)
-        pulls: dict[str, tuple[dict[str, Any], str, Callable[[], Any], int]] = {}
+        pulls: Bulk = {}
         if mesh is not None:
             mesh.push(x=arr)
             pulls["mnb_numpy"] = (M, "pull_numpy", lambda: mesh.pull("x"), push_runs)
@@ -414,38 +435,7 @@ def main() -> int:
             v.push({"x": arr}, block=True)
             pulls["ipp_numpy"] = (P, "pull_numpy", lambda: v.pull("x", block=True), ipp_push_runs)
         if pulls:
-            lsamples: dict[str, list[float]] = {k: [] for k in pulls}
-            lfailed: set[str] = set()
-            log("pull warm-up")
-            for name, (_, _, fn, _) in pulls.items():
-                try:
-                    got = fn()
-                    n_got = len(got)
-                    if n_got != N or any(int(np.asarray(x).nbytes) != PUSH_BYTES for x in
-                                         (got.values() if isinstance(got, dict) else got)):
-                        raise RuntimeError(f"pulled {n_got} values of the wrong size")
-                    del got
-                except Exception as exc:
-                    lfailed.add(name)
-                    res["errors"].append(f"pull {name}: {type(exc).__name__}: {exc}")
-                    log(f"pull {name} failed: {exc}")
-            for i in range(max(p[3] for p in pulls.values())):
-                log(f"pull round {i + 1}")
-                for name, (_, _, fn, runs) in pulls.items():
-                    if i >= runs or name in lfailed:
-                        continue
-                    try:
-                        gc.collect()
-                        lsamples[name] += timed(fn, 1)
-                    except Exception as exc:
-                        lfailed.add(name)
-                        res["errors"].append(f"pull {name}: {type(exc).__name__}: {exc}")
-                        log(f"pull {name} failed: {exc}")
-            for name, (store, key, _, _) in pulls.items():
-                xs = lsamples[name]
-                if xs:
-                    store[key] = {"median_s": med(xs), "min_s": min(xs), "n": len(xs),
-                                  "mib_per_s_aggregate": MIB * N / med(xs), "samples_s": xs}
+            _bulk_rounds("pull", pulls, N, res, check=_check_pulled(N))
         if mesh is not None:
             M["dataplane"] = mesh.dataplane
     finally:
