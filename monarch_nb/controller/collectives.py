@@ -104,8 +104,23 @@ class GroupProgress:
         return f"{group_label(self.group)} ({label(self.members)}): " + "; ".join(parts)
 
 
-@dataclass
-class CollectiveReport:
+class _Printed:
+    """A report that prints as its ``render()`` (print, repr, IPython)."""
+
+    def render(self) -> str:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.render()
+
+    __repr__ = __str__
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.render())
+
+
+@dataclass(repr=False)
+class CollectiveReport(_Printed):
     """``mesh.collectives()``: per group, where each rank is in its
     collectives, and what looks wrong (``findings``, most telling first)."""
 
@@ -138,14 +153,6 @@ class CollectiveReport:
             lines.append("  (no collective recorded yet; the recorder sees calls through "
                          "torch.distributed, not DDP's or FSDP's own)")
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.render()
-
-    __repr__ = __str__
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(self.render())
 
 
 def analyze(tails: Mapping[int, RankTail], stacks: Mapping[int, RankStacks] | None = None,
@@ -311,8 +318,8 @@ class RankPace:
         return self.wait_s / total if total else 0.0
 
 
-@dataclass
-class StragglerReport:
+@dataclass(repr=False)
+class StragglerReport(_Printed):
     """``mesh.stragglers()``: per-rank pace; ``slow`` lists the flagged ranks."""
 
     ranks: dict[int, RankPace] = field(default_factory=dict)
@@ -338,14 +345,6 @@ class StragglerReport:
             lines.append(f"  {r:>4} {p.compute_s:>10.3f} {p.wait_s:>8.3f} "
                          f"{100 * p.wait_share:>6.0f}% {p.ratio:>8.2f}x {sps:>8}{flag}")
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.render()
-
-    __repr__ = __str__
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(self.render())
 
 
 def stragglers(tails: Mapping[int, RankTail], steps_per_s: Mapping[int, float | None] | None = None,
