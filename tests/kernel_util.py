@@ -7,6 +7,7 @@ error, waiting for the kernel to go idle — never sleeping blindly.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 from dataclasses import dataclass, field
@@ -135,3 +136,13 @@ class KernelSession:
         self.kc.stop_channels()
         if self.km.is_alive():
             self.km.shutdown_kernel(now=False)
+
+    def end(self) -> None:
+        """Best effort, for a test's cleanup: the kernel may be gone already
+        (shut down, restarted, SIGKILLed by the test)."""
+        with contextlib.suppress(Exception):
+            self.close()
+        with contextlib.suppress(Exception):
+            if self.km.has_kernel:
+                self.km.shutdown_kernel(now=True)
+            self.km.cleanup_resources()

@@ -9,7 +9,6 @@ shutdown, SIGKILL of the kernel) and waits for every rank to be gone.
 from __future__ import annotations
 
 import ast
-import contextlib
 import os
 import signal
 import time
@@ -105,13 +104,7 @@ def test_ranks_end_within_5s(action: Callable[[KernelSession], None]) -> None:
             r = ks.run("1 + 1")
             assert r.status == "ok" and r.results == ["2"], r
     finally:
-        # best effort: the kernel may already be gone (shutdown, SIGKILL)
-        with contextlib.suppress(Exception):
-            ks.close()
-        with contextlib.suppress(Exception):
-            if ks.km.has_kernel:
-                ks.km.shutdown_kernel(now=True)
-            ks.km.cleanup_resources()
+        ks.end()  # best effort: the kernel may already be gone (shutdown, SIGKILL)
         for pid in pids:  # never leave a rank behind, even when the test failed
             if not gone(pid):
                 try:

@@ -112,12 +112,7 @@ def kernel() -> Iterator[KernelSession]:
     try:
         yield ks
     finally:
-        with contextlib.suppress(Exception):
-            ks.close()
-        with contextlib.suppress(Exception):
-            if ks.km.has_kernel:
-                ks.km.shutdown_kernel(now=True)
-            ks.km.cleanup_resources()
+        ks.end()
 
 
 def _busy_cell(ks: KernelSession) -> str:
