@@ -50,10 +50,13 @@ class MeshFuture(concurrent.futures.Future):
         return super().result(timeout)
 
     def cancel(self) -> bool:
-        if self.done():
+        # Cancel first, interrupt after: the interrupted ranks answer fast, and
+        # the I/O thread would otherwise finish the future with their
+        # KeyboardInterrupt before this thread marks it cancelled.
+        if not super().cancel():
             return False
         self._interrupt(self.call_id)
-        return super().cancel()
+        return True
 
     def __await__(self) -> Generator[Any, None, Any]:
         return asyncio.wrap_future(self).__await__()

@@ -204,6 +204,21 @@ def test_breakpoints_are_served_one_rank_at_a_time(shared3: Mesh,
     assert shared3.run(lambda: "fine") == {0: "fine", 1: "fine", 2: "fine"}
 
 
+def test_a_prompt_already_sent_as_output_is_still_the_prompt(shared3: Mesh,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    # The rank's control thread sends output on its own clock: a prompt
+    # written, then read a moment later, has gone out as output before the
+    # read asks. It is still shown as the prompt, not printed as output.
+    script = Script("blue")
+    shared3._ctl.ask = script
+    capsys.readouterr()
+    code = ("import sys, time\nsys.stdout.write('colour? ')\nsys.stdout.flush()\n"
+            "time.sleep(0.5)\ninput()\n")
+    assert shared3.ranks(1).exec(code, name="<mnb-cell-13>") == {1: "blue"}
+    assert script.prompts == ["[rank 1] colour? "]
+    assert "colour?" not in capsys.readouterr().out
+
+
 def test_interrupt_at_a_debugger_prompt_ends_the_call(shared3: Mesh) -> None:
     def interrupt(prompt: str) -> str:
         raise KeyboardInterrupt

@@ -18,9 +18,11 @@ Non-goals: sending (core.py, calls.py), deciding about deaths (policy.py).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,7 +182,8 @@ class CallTable:
             self._calls.pop(call.call_id, None)
             self.on_finished(call)
             if not call.future.done():
-                call.future.set_exception(MeshNotRunning(why))
+                with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+                    call.future.set_exception(MeshNotRunning(why))
 
     # -- finishing ----------------------------------------------------------------
     def _rank_done(self, call: PendingCall, rank: int) -> None:
@@ -204,9 +207,12 @@ class CallTable:
             self.setup_cells.append(call.setup)
         if call.errors:
             classify_membership(call.errors)
-            future.set_exception(RankErrors(dict(call.errors), dict(call.results), len(call.ranks)))
-        else:
-            future.set_result(RankResults(call.results))
+        # The user may cancel from their thread between done() above and here.
+        with contextlib.suppress(InvalidStateError):
+            if call.errors:
+                future.set_exception(RankErrors(dict(call.errors), dict(call.results), len(call.ranks)))
+            else:
+                future.set_result(RankResults(call.results))
 
 
 def classify_membership(errors: dict[int, BaseException]) -> None:

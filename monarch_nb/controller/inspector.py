@@ -192,8 +192,12 @@ class Inspector:
         if call is None:
             return
         call.progress_at = time.monotonic()
-        call.output.flush(force=True)
+        # The prompt is the rank's unfinished line. The rank sends it with the
+        # request, unless its output went out first (the control thread took
+        # the chunk between pdb's write and its read): then it is here, and
+        # must be taken before the flush below would print it as output.
         text = str(msg.meta.get("prompt") or "") or call.output.take_partial(info.rank) or "? "
+        call.output.flush(force=True)
         waiting = {p.rank for p in self.prompts if p.call_id == call.call_id}
         focus = self.debug_focus.get(call.call_id)
         if info.rank not in waiting and focus not in (None, info.rank) and info.rank != focus:
