@@ -408,6 +408,35 @@ def test_a_rank_without_shared_memory_sends_its_result_by_socket(
     assert len(notices) == 1, out
 
 
+def test_big_values_by_socket_go_in_pieces_and_arrive_whole() -> None:
+    # Shared memory off (what a rank on another host gets): a 20 MiB push, a
+    # 20 MiB argument and a 20 MiB result cross the sockets in 4 MiB pieces
+    # (wire/chunks.py) and arrive equal, as writable arrays of their own.
+    from monarch_nb.wire import chunks
+
+    mesh = Mesh.start(n=2, backend="cpu", spare=False, shm_threshold=None)
+    try:
+        joined = chunks.stats["joined"]
+        src = np.arange(20 << 17, dtype=np.float64)  # 20 MiB
+        mesh.push(sock_big=src, sock_t=torch.arange(5 << 20, dtype=torch.int32))
+        check = ("import numpy as np\n"
+                 "(float(sock_big.sum()), sock_big.flags.writeable, int(sock_t[-1]), "
+                 "__import__('monarch_nb.wire.chunks').wire.chunks.stats['joined'])")
+        got = mesh.exec(check)
+        for r in (0, 1):
+            total, writable, last, rank_joined = got[r]
+            assert total == float(src.sum()) and writable and last == (5 << 20) - 1
+            assert rank_joined >= 2  # both values came in pieces
+        assert mesh.run(lambda a: float(a[::1024].sum()), src) == \
+            dict.fromkeys((0, 1), float(src[::1024].sum()))
+        back = mesh.pull("sock_big")
+        assert all(np.array_equal(back[r], src) for r in (0, 1))
+        assert chunks.stats["joined"] >= joined + 2  # the results came in pieces too
+        assert mesh.dataplane["segments"] == 0  # nothing went by shared memory
+    finally:
+        mesh.stop()
+
+
 # -- nothing leaks ------------------------------------------------------------------------------
 def _store(**values: Any) -> None:
     import __main__

@@ -19,6 +19,7 @@ from typing import Any
 from ..config import MeshConfig
 from ..errors import MonarchError
 from ..futures import MeshFuture
+from ..wire import chunks
 from ..wire.protocol import Codec, Kind
 from ..wire.transport import IOLoop
 from .calltable import CallTable, PendingCall
@@ -181,11 +182,15 @@ class Caller:
         """The call's frames, signed once whatever the number of ranks (the
         same frames go to each), and whether the call is elastic. Big
         frames go into one shared-memory segment for all the ranks (its
-        descriptor is in the signed meta): dataplane.py."""
+        descriptor is in the signed meta): dataplane.py; those still too big
+        for one socket frame go in pieces (wire/chunks.py)."""
         if payload and kind is Kind.CALL:
             payload, desc = self.dataplane.pack_call(call_id, payload)
             if desc is not None:
                 meta = {**(meta or {}), "shm": desc}
+            payload, parts = chunks.split(payload)  # what still goes by socket, in pieces
+            if parts is not None:
+                meta = {**(meta or {}), "parts": parts}
         try:
             return self._sign(kind, payload, call_id, meta)
         except BaseException:

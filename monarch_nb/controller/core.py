@@ -38,7 +38,7 @@ from ..backends import BackendInfo
 from ..config import LOOPBACK, MeshConfig
 from ..errors import MonarchError, RemoteError
 from ..futures import MeshFuture
-from ..wire import serialize, shm
+from ..wire import chunks, serialize, shm
 from ..wire.metricframes import decode as decode_metrics
 from ..wire.protocol import Codec, Kind, Message, new_key
 from ..wire.transport import CurveKeys, IOLoop
@@ -328,6 +328,8 @@ class Controller:
 
     def _on_result(self, info: RankInfo, msg: Message) -> None:
         call = self.calls.get(msg.call)
+        if "parts" in msg.meta and not self._join(info, msg, call):
+            return
         if "shm" in msg.meta and not self._attach(info, msg, call):
             return
         if call is None or info.rank not in call.remaining:
@@ -345,6 +347,21 @@ class Controller:
             call.held[info.rank] = msg  # output chunks still on their way
             return
         self._complete_rank(call, info, msg)
+
+    def _join(self, info: RankInfo, msg: Message, call: PendingCall | None) -> bool:
+        """Put a result's big frames back together from their pieces
+        (wire/chunks.py). False: the layout did not fit (the call gets the
+        rank's error instead)."""
+        try:
+            msg.payload = chunks.join(msg.payload, msg.meta["parts"])
+            return True
+        except chunks.ChunkError as exc:
+            log.warning("monarch_nb: rank %d's result: %s", info.rank, exc)
+            if call is not None and info.rank in call.remaining:
+                self.calls.complete(call, info.rank, error=RemoteError(
+                    info.rank, "SerializationError",
+                    f"the result arrived but its pieces do not fit together: {exc}", ""))
+            return False
 
     def _attach(self, info: RankInfo, msg: Message, call: PendingCall | None) -> bool:
         """Put the frames a rank sent by shared memory back into ``msg``

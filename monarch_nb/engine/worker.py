@@ -45,7 +45,7 @@ from .. import config
 from ..backends import JoinAborted, JoinFailed, init_group, leave_group
 from ..config import RankEnv
 from ..errors import is_peer_loss
-from ..wire import serialize, shm
+from ..wire import chunks, serialize, shm
 from ..wire.metricframes import encode as encode_metrics
 from ..wire.protocol import Codec, Kind, Message
 from ..wire.transport import dealer, recv_verified, send_frames, socket_send
@@ -202,6 +202,8 @@ class Worker:
                     raise KeyboardInterrupt("interrupted before it started")
                 if msg.kind == Kind.CALL:
                     frames = msg.payload
+                    if "parts" in msg.meta:  # verified message: join the pieces
+                        frames = chunks.join(frames, msg.meta["parts"])
                     if "shm" in msg.meta:  # verified message: map the big frames
                         frames = shm.attach(frames, msg.meta["shm"], peer_pid=self.shm_peer,
                                             mesh_id=self.env.mesh_id,
@@ -281,6 +283,9 @@ class Worker:
                 for where in meta["shm"]["at"]:
                     where[0] += 1
         if payload:
+            payload, parts = chunks.split(payload)  # what still goes by socket, in pieces
+            if parts is not None:
+                meta["parts"] = parts
             self._send_main(Kind.RESULT, payload, call=call, meta=meta)
         else:  # one frame: no send_frames loop
             socket_send(self.main_sock, self.main_codec.sign(Kind.RESULT, (), call=call, meta=meta)[0])

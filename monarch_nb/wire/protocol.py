@@ -104,7 +104,8 @@ META: dict[Kind, dict[str, tuple[type, ...]]] = {
     # generation: the group the call started in; check: strict mode (engine/flightrec.py)
     # shm: a descriptor of payload frames in shared memory (wire/shm.py;
     # its fields are checked there, after verify, before anything is mapped)
-    Kind.CALL: {"elastic": _B, "generation": _I, "check": _I, "shm": _D},
+    # parts: big frames cut into pieces for the socket (wire/chunks.py)
+    Kind.CALL: {"elastic": _B, "generation": _I, "check": _I, "shm": _D, "parts": _L},
     Kind.EXEC: {"code": _S, "name": _S, "setup": _B, "elastic": _B, "generation": _I,
                 "check": _I},
     Kind.STACKS: {"flight": _I},  # also the newest N flight-recorder records
@@ -114,7 +115,8 @@ META: dict[Kind, dict[str, tuple[type, ...]]] = {
     # RESULT: ok (default true), error {type, msg, tb} when not ok, n_out / n_m:
     # OUTPUT chunks / METRICS batches sent before it on the control socket,
     # o: payload frame 0 is the last output (JSON), then the value
-    Kind.RESULT: {"ok": _B, "error": _D, "n_out": _I, "n_m": _I, "o": _I, "shm": _D},
+    Kind.RESULT: {"ok": _B, "error": _D, "n_out": _I, "n_m": _I, "o": _I, "shm": _D,
+                  "parts": _L},
     Kind.OUTPUT: {"n": _I},  # chunk number within the call, -1: uncounted
     Kind.METRICS: {"n": _I},  # batch number within the call, -1: uncounted
     Kind.HEARTBEAT: {"busy": _I, "h": _D},  # busy: the call running (0: idle); h: health
