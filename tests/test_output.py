@@ -180,6 +180,21 @@ def test_partial_line_forced_flush(out, sink):
     assert not out.pending
 
 
+def test_a_forced_flush_for_some_ranks_keeps_the_others_half_lines(out, sink):
+    # script mode: one output shared by every rank's call; rank 0's call ends
+    # while rank 1 has written "rank" of print("rank", 1, ...)
+    out.feed(1, "stdout", "rank", now=0.0)
+    out.feed(0, "stdout", "done\nbye", now=0.0)
+    out.flush(force=True, now=0.01, ranks=(0,))
+    assert sink.lines() == ["[0] done", "[0] bye"]
+    out.feed(1, "stdout", " 1 local 0\n", now=0.02)
+    out.flush(force=True, now=0.03, ranks=(1,))
+    assert sink.lines() == ["[0] done", "[0] bye", "[1] rank 1 local 0"]
+    out.feed(1, "stdout", "late", now=0.0)
+    out.flush(now=PARTIAL_S, ranks=(0,))  # not forced: the usual wait still holds
+    assert sink.lines()[-1] == "[1] late"
+
+
 def test_partial_line_flushed_after_partial_timeout(out, sink):
     out.feed(1, "stdout", "waiting", now=0.0)
     out.flush(now=PARTIAL_S * 0.99)

@@ -417,7 +417,7 @@ class Controller:
         inspector = self.inspector
         if inspector.prompts or inspector.debug_focus:
             inspector.release_focus(call.call_id, -1)  # forget its debugger prompts
-        call.output.flush(force=True)
+        call.output.flush(force=True, ranks=call.ranks)
         # ranks of the call that owe nothing else are idle again
         for rank in call.ranks:
             if self.ranks[rank].state == RankState.BUSY and not self.calls.busy(rank):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from ..selection import format_ranks
@@ -119,9 +119,12 @@ class CallOutput:
         return self._partial.pop((stream, rank), "")
 
     def flush(self, force: bool = False, now: float | None = None,
-              partial_age: float = 0.0) -> None:
+              partial_age: float = 0.0, ranks: Collection[int] | None = None) -> None:
         """Emit what is due. ``force``: all complete lines, and unfinished
-        ones at least ``partial_age`` old; otherwise those wait ``PARTIAL_S``."""
+        ones at least ``partial_age`` old; otherwise those wait ``PARTIAL_S``.
+        ``ranks``: force out only these ranks' unfinished lines (a call that
+        ended on them; an output shared with other calls, as script mode's,
+        keeps the others' half-written lines until their rest comes)."""
         now = time.monotonic() if now is None else now
         if self._oldest is not None and (force or now - self._oldest >= FOLD_S):
             lines, self._lines, self._oldest = self._lines, {}, None
@@ -130,7 +133,8 @@ class CallOutput:
         if not self._partial:
             return
         due = [k for k, since in self._partial_since.items()
-               if now - since >= (partial_age if force else PARTIAL_S)]
+               if now - since >= (partial_age if force and (ranks is None or k[1] in ranks)
+                                  else PARTIAL_S)]
         if due and self._oldest is not None:
             # a rank's partial line must never overtake its earlier complete lines
             lines, self._lines, self._oldest = self._lines, {}, None
