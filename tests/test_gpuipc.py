@@ -146,7 +146,7 @@ def test_reduce_is_a_no_op_when_this_process_does_not_send_by_ipc() -> None:
 
 # -- the receiver -----------------------------------------------------------------------------
 def test_a_handle_for_a_gpu_this_process_does_not_see_is_a_clear_error() -> None:
-    with pytest.raises(RuntimeError, match="does not see .* start the mesh without gpu_ipc"):
+    with pytest.raises(RuntimeError, match=r"does not see .* start the mesh without gpu_ipc"):
         gpuipc._open("tok", "GPU-00000000-not-here", (), False, False)
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import logging
 import os
 import secrets
 import sys
@@ -65,6 +66,7 @@ _N_ARGS = 15
 # receiver never touches the sender's count. See the module docstring.
 _NO_COUNTER = b"/monarch-nb-gpuipc-no-counter"
 _MODULE_NAME = __name__.encode()
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -250,9 +252,12 @@ def release(tok: str) -> bool:
 
     # The count first: when the snapshot then goes, torch sees no consumer
     # left and frees the block (instead of parking it in its limbo).
-    with contextlib.suppress(Exception):
+    try:
         torch.UntypedStorage._release_ipc_counter(share.counter, share.offset,
                                                   device=share.device)
+    except Exception as exc:  # then torch keeps the block in its limbo: say so
+        log.warning("monarch_nb: gpu_ipc: could not release a share's count (%s: %s); "
+                    "its GPU memory stays held until this process exits", type(exc).__name__, exc)
     del share
     return True
 
