@@ -41,6 +41,7 @@ ENV_GENERATION = "MONARCH_NB_GENERATION"
 ENV_IDENTITY = "MONARCH_NB_IDENTITY"  # socket identity prefix, with a random token
 ENV_MAX_MESSAGE = "MONARCH_NB_MAX_MESSAGE"  # results larger than this are refused
 ENV_SHM = "MONARCH_NB_SHM_THRESHOLD"  # local ranks: frames this big go by shared memory
+ENV_GPU_IPC = "MONARCH_NB_GPU_IPC"  # "1": local ranks send CUDA tensors by IPC handle
 # CurveZMQ (non-loopback meshes): the controller's public key and this rank's
 # client key pair, Z85 text. The secret travels like the HMAC key: environment
 # or 0600 file, never argv.
@@ -101,6 +102,13 @@ class MeshConfig:
         through shared memory (wire/shm.py): written once for all ranks, each
         rank gets its own copy-on-write view. ``None`` turns it off (every
         byte through the sockets). Ranks on other hosts always use the sockets.
+    gpu_ipc: CUDA (and ROCm) tensors in call arguments, pushed values and
+        results move between the controller and *local* ranks by CUDA IPC
+        handle (wire/gpuipc.py, docs/gpu-dataplane.md) and arrive on the
+        receiver's GPU, each an independent copy; off (the default), they are
+        copied to the host and arrive on the CPU. Without a GPU backend, or
+        with remote ranks, it prints a one-line notice and stays off. The
+        ranks learn it from ``MONARCH_NB_GPU_IPC=1`` in their environment.
     """
 
     n: int | None = None
@@ -125,6 +133,7 @@ class MeshConfig:
     insecure_no_encryption: bool = False
     join_dir: str | None = None
     shm_threshold: int | None = 1 << 20
+    gpu_ipc: bool = False
 
     def __post_init__(self) -> None:
         if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1):
@@ -157,6 +166,8 @@ class MeshConfig:
                 or self.shm_threshold < 1):
             raise UsageError(f"shm_threshold must be a positive number of bytes or None (off), "
                              f"not {self.shm_threshold!r}")
+        if not isinstance(self.gpu_ipc, bool):
+            raise UsageError(f"gpu_ipc must be True or False, not {self.gpu_ipc!r}")
         if not _valid_bind(self.bind):
             raise UsageError(f"bind address {self.bind!r} is not a host name, an IP address "
                              "or * (every interface)")
@@ -212,6 +223,7 @@ class RankEnv:
     max_message_bytes: int
     curve: tuple[bytes, bytes, bytes] | None = None  # server public, own public, own secret
     shm_threshold: int | None = None  # None: no shared memory (a remote or joined rank)
+    gpu_ipc: bool = False  # CUDA tensors by IPC handle with the controller (a local GPU rank)
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> RankEnv:
@@ -242,6 +254,7 @@ class RankEnv:
             max_message_bytes=int(env.get(ENV_MAX_MESSAGE, str(4 << 30))),
             curve=_curve_keys(env),
             shm_threshold=int(env[ENV_SHM]) if env.get(ENV_SHM, "").isdigit() else None,
+            gpu_ipc=env.get(ENV_GPU_IPC, "") == "1",
         )
 
 

@@ -56,7 +56,7 @@ from .futures import MeshFuture
 from .results import RankResults
 from .selection import format_ranks, parse_ranks
 from .stacks import Stacks
-from .wire import serialize
+from .wire import gpuipc, serialize
 from .wire.protocol import Kind
 
 Output = CallOutput  # what Mesh.output() returns: a destination for ranks' output
@@ -86,12 +86,12 @@ class _RankSet:
         meta: dict[str, Any] | None = {"elastic": True} if elastic else None
         if check_collectives:
             meta = {**(meta or {}), "check": 1}
-        return self._mesh._call(Kind.CALL, self._sel, _call_payload(fn, args, kwargs), meta,
+        return self._mesh._call(Kind.CALL, self._sel, self._payload(fn, args, kwargs), meta,
                                 timeout, hang_timeout)
 
     def run_async(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MeshFuture:
         """Start ``fn`` on the selected ranks; returns a :class:`MeshFuture`."""
-        payload = _call_payload(fn, args, kwargs)
+        payload = self._payload(fn, args, kwargs)
         return self._mesh._live().submit(Kind.CALL, self._sel, payload, None, CallOutput())
 
     def submit(self, fn: Callable[..., Any], args: tuple[Any, ...] = (),
@@ -104,10 +104,26 @@ class _RankSet:
         ``generation``: the group generation the work started in; a rank that
         joins a later one came in mid-run and takes its ``mnb.elastic`` state
         from a peer (default: none, an ordinary call)."""
-        payload = _call_payload(fn, args, kwargs or {})
+        payload = self._payload(fn, args, kwargs or {})
         meta = None if generation is None else {"generation": int(generation)}
         return self._mesh._live().submit(Kind.CALL, self._sel, payload, meta,
                                          output if output is not None else CallOutput())
+
+    def _payload(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> list[Any]:
+        """The call's frames. With gpu_ipc, CUDA tensors are shared by IPC
+        handle for these ranks' GPUs (wire/gpuipc.py); the shares become the
+        call's when it is sent (controller/dataplane.py)."""
+        devices = self._mesh._ctl.gpu_ipc_devices
+        if devices is None:
+            return _call_payload(fn, args, kwargs)
+        gpuipc.release_pending()  # shares of a payload this thread made but never sent
+        try:
+            with gpuipc.sending([devices[r] for r in self._sel]):
+                return _call_payload(fn, args, kwargs)
+        except BaseException:
+            gpuipc.release_pending()
+            raise
 
     def exec(self, code: str, setup: bool = False, *, timeout: float | None = None,
              name: str | None = None, block: bool = True, elastic: bool = False,
@@ -289,9 +305,9 @@ class Mesh(_RankSet):
                              f"GPU(s); use -n {len(info.devices)} or --backend cpu")
         limits.ensure_open_files(world)  # before the first socket: ranks inherit it
         ctl = Controller(cfg, info, world, spawner)
-        notice = limits.log_space_notice(ctl.supervisor.log_dir)
-        if notice:
-            print(notice, file=sys.stderr)
+        for notice in (limits.log_space_notice(ctl.supervisor.log_dir), ctl.gpu_ipc_notice):
+            if notice:
+                print(notice, file=sys.stderr)
         try:
             ctl.start(progress)
         except BaseException:

@@ -14,7 +14,8 @@ The parts, each owning its state (DESIGN.md, architecture rule 5)::
     Recovery    recovery.py    deaths, respawns, re-formations (the policy's hands)
     Inspector   inspector.py   stacks, hang watchdog, debugger relay
     Supervisor  supervisor.py  rank processes, forked on the spawner thread
-    DataPlane   dataplane.py   shared-memory segments of big payloads (local ranks)
+    DataPlane   dataplane.py   shared-memory segments of big payloads, GPU IPC shares
+                               (local ranks)
     MetricsStore metricstore.py every rank's mnb.log series
 
 A rank's RESULT is held back until all OUTPUT chunks and METRICS batches it
@@ -38,7 +39,7 @@ from ..backends import BackendInfo
 from ..config import LOOPBACK, MeshConfig
 from ..errors import MonarchError, RemoteError
 from ..futures import MeshFuture
-from ..wire import chunks, serialize, shm
+from ..wire import chunks, gpuipc, serialize, shm
 from ..wire.metricframes import decode as decode_metrics
 from ..wire.protocol import Codec, Kind, Message, new_key
 from ..wire.transport import CurveKeys, IOLoop
@@ -89,6 +90,16 @@ class Controller:
             restart_budget=cfg.restart_budget,
             shm_threshold=cfg.shm_threshold,
         )
+        # CUDA tensors by IPC handle (opt-in; wire/gpuipc.py): local ranks on
+        # GPUs only. Rank r's GPU is this process's cuda:<its local rank>
+        # (backends.pin_env gives it the local_rank-th of our visible GPUs).
+        ipc_on, self.gpu_ipc_notice = gpuipc.effective(cfg.gpu_ipc, backend.name,
+                                                       self.supervisor.launcher.remote)
+        self.supervisor.gpu_ipc = ipc_on
+        self.gpu_ipc_devices: dict[int, int] | None = None
+        if ipc_on:
+            place = self.supervisor.launcher.placement
+            self.gpu_ipc_devices = {r: place(r, world_size).local_rank for r in range(world_size)}
         # Shared memory only with ranks on this host (the supervisor gives
         # remote ranks no threshold either, so they never send a descriptor).
         self.dataplane = DataPlane(self.mesh_id,
@@ -333,11 +344,13 @@ class Controller:
         if "shm" in msg.meta and not self._attach(info, msg, call):
             return
         if call is None or info.rank not in call.remaining:
+            if self.gpu_ipc_devices is not None:
+                self._drop_result(info, msg)
             return
         if not msg.meta:  # a plain success: no output, no chunks to wait for, no error
             payload = msg.payload
             try:
-                value = serialize.loads(payload) if payload else None
+                value = self._loads(info, payload)
             except serialize.SerializationError as exc:
                 self.calls.complete(call, info.rank, error=_unloadable(info.rank, exc))
             else:
@@ -392,7 +405,7 @@ class Controller:
             payload = payload[1:]
         if meta.get("ok", True):
             try:
-                value = serialize.loads(payload) if payload else None
+                value = self._loads(info, payload)
             except serialize.SerializationError as exc:
                 self.calls.complete(call, info.rank, error=_unloadable(info.rank, exc))
             else:
@@ -402,6 +415,32 @@ class Controller:
             self.calls.complete(call, info.rank, error=RemoteError(
                 info.rank, str(err.get("type", "Exception")), str(err.get("msg", "")),
                 str(err.get("tb", ""))))
+
+    def _loads(self, info: RankInfo, payload: list[Any]) -> Any:
+        """A result's value. With gpu_ipc, the CUDA tensors a rank shared
+        are copied while unpickling; then the rank may release them."""
+        if not payload:
+            return None
+        if self.gpu_ipc_devices is None:
+            return serialize.loads(payload)
+        with gpuipc.consuming() as opened:
+            try:
+                return serialize.loads(payload)
+            finally:
+                for tok in opened:
+                    self.io.send(info.ctl_id, self.codec.sign(Kind.RELEASE, meta={"tok": tok}))
+
+    def _drop_result(self, info: RankInfo, msg: Message) -> None:
+        """A result nobody waits for (its call was cancelled or is over):
+        if it holds GPU shares, open and drop them, so its rank can release
+        them (a share is held until the controller says so)."""
+        payload = msg.payload[1:] if msg.meta.get("o") else msg.payload
+        if not msg.meta.get("ok", True) or not gpuipc.mentioned(payload):
+            return
+        try:
+            self._loads(info, payload)
+        except serialize.SerializationError as exc:
+            log.warning("monarch_nb: rank %d's late result could not be opened: %s", info.rank, exc)
 
     # -- the call table's hooks ------------------------------------------------------
     def _rank_done(self, call: PendingCall, rank: int) -> None:

@@ -10,6 +10,10 @@ back the same way: the controller maps a rank's segment and tells the rank
 this part off for remote launchers, and a rank started elsewhere has no
 shared memory either.
 
+With ``gpu_ipc`` on, the same holds for the CUDA tensors of a call's
+arguments shared by IPC handle (wire/gpuipc.py): the shares made while its
+payload was pickled are the call's, and are released when it finishes.
+
 Counts what it did, per mesh (:meth:`stats`, ``mesh.dataplane``).
 
 Non-goals: the mechanism (wire/shm.py), sending (calls.py), which process a
@@ -22,7 +26,7 @@ import collections
 from collections.abc import Sequence
 from typing import Any
 
-from ..wire import shm
+from ..wire import gpuipc, shm
 
 
 class DataPlane:
@@ -33,11 +37,18 @@ class DataPlane:
         self.threshold = threshold  # None: off (every byte through the sockets)
         self.max_bytes = max_bytes
         self._segments: dict[int, shm.Segment] = {}
+        self._gpu: dict[int, list[str]] = {}  # GPU IPC shares by call id (gpuipc tokens)
         self.counts: collections.Counter[str] = collections.Counter()
 
     def pack_call(self, call_id: int, payload: Sequence[Any]) -> tuple[list[Any], dict[str, Any] | None]:
         """The frames to send and the descriptor for the call's meta (None:
-        everything by socket). Any thread: the caller's, before signing."""
+        everything by socket). Any thread: the caller's, before signing
+        (the thread that pickled the payload: its GPU shares become the
+        call's)."""
+        shares = gpuipc.claim()
+        if shares:
+            self._gpu[call_id] = shares
+            self.counts["gpu_shares"] += len(shares)
         threshold = self.threshold
         if threshold is None:
             return list(payload), None
@@ -61,10 +72,13 @@ class DataPlane:
         seg = self._segments.pop(call_id, None)
         if seg is not None:
             seg.close()
+        if self._gpu:
+            for tok in self._gpu.pop(call_id, ()):
+                gpuipc.release(tok)
 
     def close_all(self) -> None:
         """The mesh stops."""
-        for call_id in list(self._segments):
+        for call_id in [*self._segments, *self._gpu]:
             self.release(call_id)
 
     def attach(self, payload: Sequence[Any], desc: Any, peer_pid: int | None) -> list[Any]:

@@ -66,6 +66,7 @@ class Supervisor:
     controller_timeout: float = 10.0
     max_message_bytes: int = 4 << 30
     shm_threshold: int | None = None  # local ranks only (wire/shm.py)
+    gpu_ipc: bool = False  # local ranks only (wire/gpuipc.py)
     restart_budget: int = config.MeshConfig.restart_budget  # torchrun's TORCHELASTIC_MAX_RESTARTS
     extra_env: dict[str, str] = field(default_factory=dict)
     launcher: Launcher = field(default_factory=LocalLauncher)
@@ -135,11 +136,14 @@ class Supervisor:
             "PYTHONUNBUFFERED": "1",
         })
         env.pop(config.ENV_SHM, None)
+        env.pop(config.ENV_GPU_IPC, None)  # never inherited from the kernel's environment
         if self.launcher.remote:
             env.pop(config.ENV_PARENT_PID, None)  # its parent is ssh/srun's, not us
         else:
             if self.shm_threshold is not None:  # same host: big frames by shared memory
                 env[config.ENV_SHM] = str(self.shm_threshold)
+            if self.gpu_ipc:  # same host: CUDA tensors by IPC handle (wire/gpuipc.py)
+                env[config.ENV_GPU_IPC] = "1"
             # Local ranks talk over loopback only (gloo would otherwise pick the
             # interface the host name resolves to).
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -45,7 +45,7 @@ from .. import config
 from ..backends import JoinAborted, JoinFailed, init_group, leave_group
 from ..config import RankEnv
 from ..errors import is_peer_loss
-from ..wire import chunks, serialize, shm
+from ..wire import chunks, gpuipc, serialize, shm
 from ..wire.metricframes import encode as encode_metrics
 from ..wire.protocol import Codec, Kind, Message
 from ..wire.transport import dealer, recv_verified, send_frames, socket_send
@@ -105,6 +105,9 @@ class Worker:
         # segments of results sent, by token, until the controller's RELEASE.
         self.shm_peer = env.parent_pid if env.shm_threshold is not None else None
         self.segments: dict[str, shm.Segment] = {}
+        # CUDA results by IPC handle (wire/gpuipc.py): the shares stay
+        # there, by token, until the controller copied them and says RELEASE.
+        gpuipc.configure(env.gpu_ipc)
         self.stopping = False
         self.main_thread_id = threading.get_ident()
         self.last_ping = time.monotonic()
@@ -266,6 +269,11 @@ class Worker:
                 }
         if meta.get("ok", True) is False:
             meta["error"] = error
+        if self.env.gpu_ipc:  # shares of a result that goes: held until RELEASE
+            if payload:
+                gpuipc.claim()
+            else:  # not sent (unpicklable, too large): nobody will open them
+                gpuipc.release_pending()
         threshold = self.env.shm_threshold
         if self.shm_peer is not None and threshold is not None and payload and any(
                 memoryview(p).nbytes >= threshold for p in payload):
@@ -538,9 +546,12 @@ class Worker:
         elif msg.kind == Kind.INPUT:
             self.stdin.answer(str(msg.meta.get("text", "")))
         elif msg.kind == Kind.RELEASE:  # the controller mapped a result's segment
-            seg = self.segments.pop(str(msg.meta.get("tok", "")), None)
+            tok = str(msg.meta.get("tok", ""))
+            seg = self.segments.pop(tok, None)
             if seg is not None:
                 seg.close()
+            elif self.env.gpu_ipc:  # or the controller copied a CUDA result's tensor
+                gpuipc.release(tok)
 
     def _send_ctl(self, kind: Kind, *, call: int = 0, meta: dict[str, Any] | None = None,
                   payload: list[Any] | None = None) -> None:

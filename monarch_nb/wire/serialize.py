@@ -8,7 +8,9 @@ again (zmq frames received with ``copy=False`` stay the backing memory).
 
 Tensors travel as CPU memory: a CUDA tensor is copied to the host by the
 sender and arrives on the CPU (the receiver moves it with ``.to(mnb.device())``).
-The rank may not even share a device numbering with the kernel.
+The rank may not even share a device numbering with the kernel. With the
+mesh's ``gpu_ipc`` on, gpuipc.py takes CUDA tensors instead (by IPC handle
+between processes of one host) and they arrive on the receiver's GPU.
 
 Non-goals: signing (protocol), sockets (transport). Only call :func:`loads`
 on frames that the protocol layer has verified.
@@ -30,6 +32,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import cloudpickle
+
+from . import gpuipc
 
 # Buffers smaller than this go inline: a frame has a fixed cost that only pays
 # off for big arrays.
@@ -74,6 +78,10 @@ class _Pickler(cloudpickle.Pickler):
 
         if t.is_sparse or t.layout != torch.strided or t.is_quantized:
             return NotImplemented
+        if t.device.type == "cuda":  # ROCm's devices are "cuda" too
+            routed = gpuipc.reduce(t)  # None unless this process sends by GPU IPC
+            if routed is not None:
+                return routed
         data = t.detach()
         if data.device.type != "cpu":
             data = data.cpu()
