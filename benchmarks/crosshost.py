@@ -11,7 +11,9 @@ starts a mesh with Curve (the default off loopback) and one with
 ``insecure_no_encryption=True``, alternating, so background noise hits both.
 Figures: median (and min) of ``--calls`` no-op calls to both ranks and to one
 rank; aggregate push throughput ``64 MiB x 2 / median seconds`` of
-``--pushes`` pushes of a numpy array. Needs root (ip netns) and numpy.
+``--pushes`` pushes of a numpy array, in 4 MiB pieces as monarch_nb sends
+them and, alternating with those, in one frame as before (wire/chunks.py);
+aggregate pull throughput of that array from both ranks. Needs root (ip netns) and numpy.
 No assertions: figures only.
 """
 
@@ -58,12 +60,28 @@ DRIVER = """
             out[name] = (statistics.median(samples), min(samples))
         arr = np.zeros(64 * 2**20, dtype=np.uint8)
         mesh.push(x=arr)
+        # In 4 MiB pieces (wire/chunks.py, what a push does) and, alternating
+        # with it, in one frame as before pieces: the controller's split is
+        # told to cut nothing (pushes only; the ranks are unchanged).
+        from monarch_nb.wire import chunks
+        pieces, whole = [], []
+        for _ in range(pushes):
+            for store, chunk in ((pieces, chunks.CHUNK), (whole, 1 << 62)):
+                chunks.split.__defaults__ = (chunk,)
+                t = time.perf_counter()
+                mesh.push(x=arr)
+                store.append(time.perf_counter() - t)
+        chunks.split.__defaults__ = (chunks.CHUNK,)
+        out["push"] = (statistics.median(pieces), min(pieces))
+        out["push_whole"] = (statistics.median(whole), min(whole))
+        for _ in range(2):
+            mesh.pull("x")
         samples = []
         for _ in range(pushes):
             t = time.perf_counter()
-            mesh.push(x=arr)
+            mesh.pull("x")
             samples.append(time.perf_counter() - t)
-        out["push"] = (statistics.median(samples), min(samples))
+        out["pull"] = (statistics.median(samples), min(samples))
     finally:
         mesh.stop()
     print("RESULT " + json.dumps(out))
@@ -117,6 +135,12 @@ def main() -> int:
     total = 64 * 2  # MiB, to 2 ranks
     on, off = total / med("curve", "push"), total / med("plain", "push")
     rows.append(("push 64 MiB to 2 ranks (MiB/s, aggregate)", f"{on:.0f}", f"{off:.0f}",
+                 f"{off / on:.2f}x slower"))
+    on, off = total / med("curve", "push_whole"), total / med("plain", "push_whole")
+    rows.append(("the same push in one frame (before wire/chunks.py)", f"{on:.0f}", f"{off:.0f}",
+                 f"{off / on:.2f}x slower"))
+    on, off = total / med("curve", "pull"), total / med("plain", "pull")
+    rows.append(("pull 64 MiB from 2 ranks (MiB/s, aggregate)", f"{on:.0f}", f"{off:.0f}",
                  f"{off / on:.2f}x slower"))
     print("| between namespaces | Curve on (default) | Curve off (--insecure-no-encryption) "
           "| cost of encryption |")

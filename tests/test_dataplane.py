@@ -408,14 +408,16 @@ def test_a_rank_without_shared_memory_sends_its_result_by_socket(
     assert len(notices) == 1, out
 
 
-def test_big_values_by_socket_go_in_pieces_and_arrive_whole() -> None:
-    # Shared memory off (what a rank on another host gets): a 20 MiB push, a
-    # 20 MiB argument and a 20 MiB result cross the sockets in 4 MiB pieces
-    # (wire/chunks.py) and arrive equal, as writable arrays of their own.
+def test_big_values_on_an_encrypted_link_go_in_pieces_and_arrive_whole() -> None:
+    # What a rank on another host gets: Curve on (a non-loopback bind, as in
+    # test_curve.py) and no shared memory. A 20 MiB push, a 20 MiB argument
+    # and a 20 MiB result cross the sockets in 4 MiB pieces (wire/chunks.py)
+    # and arrive equal, as writable arrays of their own.
     from monarch_nb.wire import chunks
 
-    mesh = Mesh.start(n=2, backend="cpu", spare=False, shm_threshold=None)
+    mesh = Mesh.start(n=2, backend="cpu", spare=False, shm_threshold=None, bind="127.0.0.2")
     try:
+        assert mesh._ctl.io.curve is not None
         joined = chunks.stats["joined"]
         src = np.arange(20 << 17, dtype=np.float64)  # 20 MiB
         mesh.push(sock_big=src, sock_t=torch.arange(5 << 20, dtype=torch.int32))

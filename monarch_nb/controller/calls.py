@@ -182,15 +182,16 @@ class Caller:
         """The call's frames, signed once whatever the number of ranks (the
         same frames go to each), and whether the call is elastic. Big
         frames go into one shared-memory segment for all the ranks (its
-        descriptor is in the signed meta): dataplane.py; those still too big
-        for one socket frame go in pieces (wire/chunks.py)."""
+        descriptor is in the signed meta): dataplane.py; on an encrypted link,
+        those still big go in pieces (wire/chunks.py)."""
         if payload and kind is Kind.CALL:
             payload, desc = self.dataplane.pack_call(call_id, payload)
             if desc is not None:
                 meta = {**(meta or {}), "shm": desc}
-            payload, parts = chunks.split(payload)  # what still goes by socket, in pieces
-            if parts is not None:
-                meta = {**(meta or {}), "parts": parts}
+            if self.io.curve is not None:  # encrypted: big frames go in pieces
+                payload, parts = chunks.split(payload)
+                if parts is not None:
+                    meta = {**(meta or {}), "parts": parts}
         try:
             return self._sign(kind, payload, call_id, meta)
         except BaseException:

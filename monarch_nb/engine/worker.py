@@ -291,9 +291,10 @@ class Worker:
                 for where in meta["shm"]["at"]:
                     where[0] += 1
         if payload:
-            payload, parts = chunks.split(payload)  # what still goes by socket, in pieces
-            if parts is not None:
-                meta["parts"] = parts
+            if self.env.curve is not None:  # encrypted: big frames go in pieces
+                payload, parts = chunks.split(payload)
+                if parts is not None:
+                    meta["parts"] = parts
             self._send_main(Kind.RESULT, payload, call=call, meta=meta)
         else:  # one frame: no send_frames loop
             socket_send(self.main_sock, self.main_codec.sign(Kind.RESULT, (), call=call, meta=meta)[0])
