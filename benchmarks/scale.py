@@ -17,8 +17,16 @@ benchmarks/run.py calls it. Per N:
   the caller leading the I/O loop, the I/O thread, heartbeats and ticks
   included) over the timed calls, divided by calls x N. The simulated ranks
   are other processes: their CPU is not counted;
+* the simulated ranks' own CPU per rank per call (their host processes:
+  user + system), for scale: on two cores they compete with the controller,
+  so the latency includes their share, the controller CPU figures do not;
 * idle: the controller's CPU share while nobody calls (heartbeats, pings,
-  liveness ticks of N ranks), measured over ``IDLE_S`` before the calls.
+  liveness ticks of N ranks), measured over ``IDLE_S`` before the calls;
+* the raw ZeroMQ floor at the same N, after the mesh stopped: a ROUTER here,
+  N DEALERs in the same number of host processes answering ``b"ok"`` (no
+  signing, no pickling, no bookkeeping): its round trip, and this process's
+  CPU per rank per round trip (pyzmq calls, libzmq's I/O thread, syscalls:
+  what no controller on ZeroMQ can go below).
 
 ``--profile N``: cProfile the controller during the calls at N ranks and
 print the top functions (the I/O loop runs on the calling thread during a
@@ -57,7 +65,9 @@ REPO = HERE.parent
 if str(REPO) not in sys.path:  # run from anywhere: the checkout's monarch_nb
     sys.path.insert(0, str(REPO))
 
-from benchmarks.simranks import SimLauncher  # noqa: E402
+import psutil  # noqa: E402
+
+from benchmarks.simranks import SimLauncher, floor  # noqa: E402
 from monarch_nb import Mesh  # noqa: E402
 
 NOOP = lambda: None  # noqa: E731  (one object, defined in __main__, as benchmarks/run.py)
@@ -86,6 +96,18 @@ def calls_for(n: int, calls: int) -> int:
     return max(100, min(calls, 40_000 // n))
 
 
+def _hosts_cpu(launcher: SimLauncher) -> float:
+    """CPU seconds (user + system) the simulated ranks' hosts used so far."""
+    total = 0.0
+    for pid in launcher.host_pids():
+        try:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def start_sim(n: int, hosts: int) -> tuple[Mesh, SimLauncher, float]:
     launcher = SimLauncher(hosts=min(hosts, n))
     t0 = time.perf_counter()
@@ -108,6 +130,7 @@ def measure_sim(n: int, hosts: int, calls: int, profile: bool) -> dict[str, Any]
         # CPU time, not wall time: poll's waiting for the ranks is not the controller's cost
         prof = cProfile.Profile(time.process_time) if profile else None
         perf = time.perf_counter
+        hosts0 = _hosts_cpu(launcher)
         c0, w0 = time.process_time(), perf()
         if prof is not None:
             prof.enable()
@@ -118,6 +141,7 @@ def measure_sim(n: int, hosts: int, calls: int, profile: bool) -> dict[str, Any]
         if prof is not None:
             prof.disable()
         cpu, wall = time.process_time() - c0, perf() - w0
+        hosts_cpu = _hosts_cpu(launcher) - hosts0
         assert len(res) == n, f"{len(res)} answers from {n} ranks"  # a sanity check, not a figure
         out = {
             "ranks": n, "hosts": launcher.hosts, "calls": m, "start_s": start_s,
@@ -125,17 +149,22 @@ def measure_sim(n: int, hosts: int, calls: int, profile: bool) -> dict[str, Any]
             "min_ms": min(lat) * 1e3,
             "cpu_us_per_rank_call": cpu / (m * n) * 1e6,
             "cpu_share_during_calls": cpu / wall, "idle_cpu_share": idle,
+            "hosts_cpu_us_per_rank_call": hosts_cpu / (m * n) * 1e6,
             "dropped": mesh.dropped,
         }
         if prof is not None:
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
             out["profile"] = text.getvalue()
-        return out
     finally:
         t0 = time.perf_counter()
         mesh.stop()
         log(f"{n} simulated ranks stopped in {time.perf_counter() - t0:.2f} s")
+    # the raw ZeroMQ floor at this size, once the mesh is gone (simranks.floor)
+    times, floor_cpu = floor(n, launcher.hosts, m)
+    out["floor_median_ms"] = statistics.median(times) * 1e3
+    out["floor_cpu_us_per_rank_call"] = floor_cpu * 1e6
+    return out
 
 
 def run_sim(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -158,14 +187,16 @@ def run_sim(args: argparse.Namespace) -> list[dict[str, Any]]:
         prev = (r["ranks"], per_call)
     print()
     print("| ranks (simulated) | host processes | calls | start | no-op median | no-op p99 "
-          "| controller CPU / rank / call | marginal CPU / rank / call | controller CPU idle |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| zmq floor median | controller CPU / rank / call | marginal | zmq floor CPU / rank "
+          "| controller CPU idle | sim hosts' CPU / rank / call |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         marginal = f"{r['cpu_us_marginal']:.1f} µs" if "cpu_us_marginal" in r else "—"
         print(f"| {r['ranks']} | {r['hosts']} | {r['calls']} | {r['start_s']:.2f} s "
-              f"| {r['median_ms']:.2f} ms | {r['p99_ms']:.2f} ms "
+              f"| {r['median_ms']:.2f} ms | {r['p99_ms']:.2f} ms | {r['floor_median_ms']:.2f} ms "
               f"| {r['cpu_us_per_rank_call']:.1f} µs | {marginal} "
-              f"| {r['idle_cpu_share'] * 100:.1f} % |")
+              f"| {r['floor_cpu_us_per_rank_call']:.1f} µs | {r['idle_cpu_share'] * 100:.1f} % "
+              f"| {r['hosts_cpu_us_per_rank_call']:.1f} µs |")
     at = {r["ranks"]: r for r in rows}
     if 256 in at:
         ok = at[256]["median_ms"] <= TARGET_LATENCY_MS

@@ -41,6 +41,7 @@ import collections
 import ctypes
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -149,21 +150,29 @@ class SimRank:
 
 
 class Host:
-    """The host process: one thread, one poller over every rank's sockets
-    and stdin (where rank specs arrive)."""
+    """The host process: one thread, one epoll set over every rank's sockets
+    and stdin (where rank specs arrive).
+
+    epoll on each socket's ``ZMQ_FD``, not ``zmq.Poller``: a zmq poll walks
+    every socket of the host on every wake-up (hundreds here), which made
+    the simulated ranks cost more CPU than the controller they are there to
+    load. ``ZMQ_FD`` only signals a change, so a socket that fires is read
+    until ``zmq.Again``, and after sending on a socket outside that loop
+    (heartbeats, the handshake) it is read again: a send may consume the
+    signal of a message that arrived meanwhile."""
 
     def __init__(self) -> None:
         self.ctx = zmq.Context()
         # two sockets per rank: libzmq's default of 1,023 sockets a context
         # would stop a host at 511 ranks
         self.ctx.set(zmq.MAX_SOCKETS, 65536)
-        self.poller = zmq.Poller()
-        self.by_socket: dict[zmq.Socket, tuple[SimRank, bool]] = {}  # socket -> (rank, is main)
+        self.epoll = select.epoll()
+        self.by_fd: dict[int, tuple[SimRank, bool]] = {}  # ZMQ_FD -> (rank, is main)
         self.ranks: list[SimRank] = []
         self.dropped: collections.Counter[str] = collections.Counter()
         self.stdin = sys.stdin.fileno()
         os.set_blocking(self.stdin, False)
-        self.poller.register(self.stdin, zmq.POLLIN)
+        self.epoll.register(self.stdin, select.EPOLLIN)
         self.buffer = b""
         self.last_ping = time.monotonic()
         self.timeout = 10.0
@@ -174,9 +183,12 @@ class Host:
         rank = SimRank(self.ctx, env, time.monotonic())
         self.ranks.append(rank)
         for sock, main in ((rank.main, True), (rank.ctl, False)):
-            self.by_socket[sock] = (rank, main)
-            self.poller.register(sock, zmq.POLLIN)
+            fd = int(sock.getsockopt(zmq.FD))  # (typed int | bytes: an int for FD)
+            self.by_fd[fd] = (rank, main)
+            self.epoll.register(fd, select.EPOLLIN)
         rank.hello()
+        self.drain(rank, True)
+        self.drain(rank, False)
 
     def read_specs(self) -> bool:
         """New rank specs from stdin; False at its end (the mesh is gone)."""
@@ -197,13 +209,13 @@ class Host:
         next_sweep = time.monotonic() + SWEEP_S
         while True:
             timeout = max(0.0, next_sweep - time.monotonic())
-            for sock, _ in self.poller.poll(int(timeout * 1000) + 1):
-                if sock == self.stdin:
+            for fd, _ in self.epoll.poll(timeout + 0.001):
+                if fd == self.stdin:
                     if not self.read_specs():
                         return
                     continue
-                rank, main = self.by_socket[sock]
-                self.drain(rank, sock, main)
+                rank, main = self.by_fd[fd]
+                self.drain(rank, main)
             if self.ranks and all(r.stopped for r in self.ranks):
                 return
             now = time.monotonic()
@@ -221,9 +233,10 @@ class Host:
             if now >= rank.next_beat and not rank.stopped:
                 rank.next_beat = now + HEARTBEAT_S
                 rank.send_ctl(Kind.HEARTBEAT, meta=meta)
+                self.drain(rank, False)  # the send may have taken a ping's signal
 
-    def drain(self, rank: SimRank, sock: zmq.Socket, main: bool) -> None:
-        codec = rank.main_codec if main else rank.ctl_codec
+    def drain(self, rank: SimRank, main: bool) -> None:
+        sock, codec = (rank.main, rank.main_codec) if main else (rank.ctl, rank.ctl_codec)
         while True:
             try:
                 frames = recv_frames(sock, zmq.NOBLOCK)
@@ -255,9 +268,95 @@ class Host:
                 rank.send_main(Kind.REFORMED, meta={"generation": generation, "error": ""})
 
     def close(self) -> None:
+        self.epoll.close()
         # destroy, not term: a rank half made (its second socket refused)
         # has a socket no table holds, and term would wait for it forever
         self.ctx.destroy(linger=0)
+
+
+# -- the floor: raw ZeroMQ, nothing of monarch_nb ------------------------------------------------
+def echo_host(endpoint: str, first: int, count: int) -> None:
+    """``count`` DEALERs (identities ``e<first>``...) that answer every
+    message with ``b"ok"``: the ranks of :func:`floor` (no signing, no
+    parsing). Exits when any of them receives ``b"stop"``."""
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 65536)
+    poller = zmq.Poller()
+    socks = []
+    for i in range(first, first + count):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"e{i}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        sock.send(b"ready")
+        poller.register(sock, zmq.POLLIN)
+        socks.append(sock)
+    try:
+        while True:
+            for sock, _ in poller.poll(1000):
+                while True:
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    if frame.bytes == b"stop":
+                        return
+                    sock.send(b"ok")
+    finally:
+        ctx.destroy(linger=0)
+
+
+def floor(n: int, hosts: int, calls: int) -> tuple[list[float], float]:
+    """The raw ZeroMQ floor at ``n`` ranks: a ROUTER here sends a 100-byte
+    frame to ``n`` DEALERs in ``hosts`` processes and waits for every
+    answer, ``calls`` times. Returns (round trips in seconds, this
+    process's CPU seconds per rank per round trip)."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.RCVHWM, 0)
+    router.setsockopt(zmq.SNDHWM, 0)
+    endpoint = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    per = -(-n // hosts)
+    procs = [subprocess.Popen([sys.executable, str(HERE / "simranks.py"), "--echo", endpoint,
+                               str(first), str(min(per, n - first))], env=env,
+                              start_new_session=True)
+             for first in range(0, n, per)]
+    idents = [f"e{i}".encode() for i in range(n)]
+    payload = b"x" * 100
+    try:
+        for _ in range(n):  # every DEALER said "ready"
+            router.recv_multipart()
+
+        def round_trip() -> None:
+            for ident in idents:
+                router.send(ident, zmq.SNDMORE)
+                router.send(payload)
+            for _ in range(n):
+                router.recv()
+                router.recv()
+
+        for _ in range(10):
+            round_trip()
+        times = []
+        c0 = time.process_time()
+        for _ in range(calls):
+            t = time.perf_counter()
+            round_trip()
+            times.append(time.perf_counter() - t)
+        cpu = (time.process_time() - c0) / (calls * n)
+        for first in range(0, n, per):
+            router.send_multipart([idents[first], b"stop"])
+        for p in procs:
+            p.wait(10)
+        return times, cpu
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        ctx.destroy(linger=0)
 
 
 def _set_parent_death_signal() -> None:
@@ -271,6 +370,9 @@ def main() -> None:
     # No orphans, as a real rank: killed with the forking thread's process,
     # and gone at once if that process died before the signal was armed.
     _set_parent_death_signal()
+    if sys.argv[1:2] == ["--echo"]:
+        echo_host(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        os._exit(0)
     parent = os.environ.get(config.ENV_PARENT_PID)
     if parent and os.getppid() != int(parent):
         os._exit(3)
