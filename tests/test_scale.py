@@ -7,9 +7,10 @@ benchmark's job."""
 from __future__ import annotations
 
 import psutil
+import pytest
 
 from benchmarks.simranks import SimLauncher
-from monarch_nb import Mesh
+from monarch_nb import Mesh, UsageError
 
 from .conftest import wait_for
 
@@ -51,3 +52,10 @@ def test_simulated_ranks_answer_every_call_and_leave_nothing_behind() -> None:
     assert not mesh.running
     wait_for(lambda: all(_gone(pid) for pid in pids), timeout=10, what="host processes to exit")
     assert all(p.poll() is not None for p in launcher.procs.values())
+
+
+def test_a_launcher_object_needs_the_number_of_ranks() -> None:
+    launcher = SimLauncher(hosts=HOSTS)
+    with pytest.raises(UsageError, match="needs n"):
+        Mesh.start(launcher=launcher)
+    assert launcher.procs == {}  # refused before anything started
