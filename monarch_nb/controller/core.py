@@ -95,11 +95,10 @@ class Controller:
                                    None if self.supervisor.launcher.remote else cfg.shm_threshold,
                                    cfg.max_message_bytes)
         self.ranks = RankTable(world_size)
-        # look_after: half a heartbeat interval (a healthy idle rank is read
-        # about every other tick), and always below the timeout
+        # look_after: always below the timeout (a silence past it is looked at)
         self.liveness = liveness.Liveness(
             cfg.heartbeat_timeout,
-            look_after=min(cfg.heartbeat_interval, cfg.heartbeat_timeout) / 2)
+            look_after=min(liveness.LOOK_AFTER_S, cfg.heartbeat_timeout / 2))
         self.calls = CallTable()
         self.metrics = MetricsStore(world_size)  # mnb.log series (metricstore.py)
         self.default_output: CallOutput | None = None  # for output outside calls
