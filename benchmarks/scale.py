@@ -28,9 +28,11 @@ benchmarks/run.py calls it. Per N:
   CPU per rank per round trip (pyzmq calls, libzmq's I/O thread, syscalls:
   what no controller on ZeroMQ can go below).
 
-``--profile N``: cProfile the controller during the calls at N ranks and
-print the top functions (the I/O loop runs on the calling thread during a
-blocking call, so this profiles the call path).
+``--profile N``: cProfile (CPU time) the controller during the calls at N
+ranks and print the top functions (the I/O loop runs on the calling thread
+during a blocking call, so this profiles the call path). The profiler's own
+cost inflates that row's figures: py-spy (``py-spy record -- python
+benchmarks/scale.py``) gives proportions without it.
 
 ``--real N``: N real CPU ranks (gloo) on this machine: time to start (all
 ranks ready), a cell (``all_reduce`` of one tensor through ``mesh.exec``;
@@ -192,7 +194,8 @@ def run_sim(args: argparse.Namespace) -> list[dict[str, Any]]:
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         marginal = f"{r['cpu_us_marginal']:.1f} µs" if "cpu_us_marginal" in r else "—"
-        print(f"| {r['ranks']} | {r['hosts']} | {r['calls']} | {r['start_s']:.2f} s "
+        ranks = f"{r['ranks']} (profiled: slower)" if "profile" in r else r["ranks"]
+        print(f"| {ranks} | {r['hosts']} | {r['calls']} | {r['start_s']:.2f} s "
               f"| {r['median_ms']:.2f} ms | {r['p99_ms']:.2f} ms | {r['floor_median_ms']:.2f} ms "
               f"| {r['cpu_us_per_rank_call']:.1f} µs | {marginal} "
               f"| {r['floor_cpu_us_per_rank_call']:.1f} µs | {r['idle_cpu_share'] * 100:.1f} % "
