@@ -285,16 +285,28 @@ class Mesh(_RankSet):
     # -- life cycle ------------------------------------------------------------
     @classmethod
     def start(cls, n: int | None = None, backend: str = "auto", respawn: str = "rank",
-              launcher: str = "local", hosts: Iterable[str] | str = (), *,
+              launcher: str | launchers.Launcher = "local", hosts: Iterable[str] | str = (), *,
               progress: Callable[[list[RankInfo]], None] | None = None,
               **options: Any) -> Mesh:
         """Start ``n`` ranks and wait until they joined their torch.distributed
-        group. ``n`` defaults to the visible GPUs, else min(4, CPU cores)."""
+        group. ``n`` defaults to the visible GPUs, else min(4, CPU cores).
+        ``launcher``: a name, or a :class:`~monarch_nb.controller.launchers.Launcher`
+        object that starts the ranks its own way (benchmarks/simranks.py
+        hosts many simulated ranks in a few processes); with an object,
+        ``n`` is required and the controller binds to loopback unless
+        ``bind=`` says otherwise."""
         if isinstance(hosts, str):
             hosts = tuple(h for h in hosts.split(",") if h)
-        cfg = MeshConfig(n=n, backend=backend, respawn=respawn, launcher=launcher,  # type: ignore[arg-type]
+        custom = None if isinstance(launcher, str) else launcher
+        if custom is not None and n is None:
+            raise UsageError("Mesh.start with a Launcher object needs n (the number of ranks)")
+        cfg = MeshConfig(n=n, backend=backend, respawn=respawn,  # type: ignore[arg-type]
+                         launcher="local" if custom is not None else launcher,  # type: ignore[arg-type]
                          hosts=tuple(hosts), **options)
-        spawner, world = launchers.from_config(cfg, cfg.n)
+        if custom is not None:
+            spawner, world = custom, cfg.n or 0
+        else:
+            spawner, world = launchers.from_config(cfg, cfg.n)
         if spawner.remote:  # GPUs are counted on the nodes, not here
             info = launchers.remote_backend(cfg.backend, spawner)
         else:

@@ -55,6 +55,22 @@ def test_only_the_heartbeat_tells_for_remote_or_traced_ranks() -> None:
     assert live.judge(3, 9.0, "Z", now=10.2) is Verdict.ALIVE  # exiting: reported on its own
 
 
+def test_the_state_is_read_only_for_ranks_silent_a_while_or_already_suspect() -> None:
+    live = Liveness(heartbeat_timeout=3.0, stop_grace=0.5, look_after=0.1)
+    assert not live.wants_state(0, 0.05)  # spoke just now: running then, no syscall
+    assert live.wants_state(0, 0.1)
+    # seen stopped once: read on every tick until it resumes, whatever its silence
+    live.judge(1, 0.3, "T", now=10.0)
+    assert live.wants_state(1, 0.0)
+    assert live.judge(1, 0.1, "S", now=10.2) is Verdict.ALIVE
+    assert not live.wants_state(1, 0.05)
+    # busy (silent past the timeout, running): read until it speaks again
+    assert live.judge(2, 3.5, "R", now=10.0) is Verdict.BUSY
+    assert live.wants_state(2, 0.0)
+    # skipped reads judge as "no state": alive below the timeout, as heartbeats say
+    assert live.judge(3, 0.1, None, now=10.0) is Verdict.ALIVE
+
+
 def test_os_state_reads_proc() -> None:
     assert os_state(os.getpid()) == "R"
     assert os_state(None) is None

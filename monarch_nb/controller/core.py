@@ -106,7 +106,10 @@ class Controller:
                                    None if self.supervisor.launcher.remote else cfg.shm_threshold,
                                    cfg.max_message_bytes)
         self.ranks = RankTable(world_size)
-        self.liveness = liveness.Liveness(cfg.heartbeat_timeout)
+        # look_after: always below the timeout (a silence past it is looked at)
+        self.liveness = liveness.Liveness(
+            cfg.heartbeat_timeout,
+            look_after=min(liveness.LOOK_AFTER_S, cfg.heartbeat_timeout / 2))
         self.calls = CallTable()
         self.metrics = MetricsStore(world_size)  # mnb.log series (metricstore.py)
         self.default_output: CallOutput | None = None  # for output outside calls
@@ -499,7 +502,9 @@ class Controller:
         waiting for the group timeout); note one that is only busy holding
         the GIL (liveness.py)."""
         silent = now - info.last_heartbeat
-        state = None if self.supervisor.launcher.remote else liveness.os_state(pid)
+        state = None
+        if not self.supervisor.launcher.remote and self.liveness.wants_state(info.rank, silent):
+            state = liveness.os_state(pid)
         verdict = self.liveness.judge(info.rank, silent, state, now)
         if verdict is liveness.Verdict.FROZEN:
             info.silent_for = silent

@@ -25,6 +25,12 @@ from dataclasses import dataclass, field
 # beat the heartbeat timeout; long enough that a signal-stop on its way to
 # a continue (a job-control stop and resume) is not taken for one.
 STOP_GRACE_S = 0.5
+# A rank heard from this recently is not asked about (see Liveness.wants_state).
+# Below a liveness tick (0.25 s), so a stop is seen as soon as before: half a
+# heartbeat interval made benchmarks/respawn.py's SIGSTOP, sent right after a
+# call, take 1.0 s to detect instead of 0.74. Above a call's round trip at
+# 1,024 ranks (tens of ms), so during calls no rank is read.
+LOOK_AFTER_S = 0.1
 
 
 class Verdict(enum.Enum):
@@ -39,8 +45,23 @@ class Liveness:
 
     heartbeat_timeout: float
     stop_grace: float = STOP_GRACE_S
+    look_after: float = LOOK_AFTER_S  # below heartbeat_timeout: a silence past it is always looked at
     stopped_since: dict[int, float] = field(default_factory=dict)
     busy_since: dict[int, float] = field(default_factory=dict)
+
+    def wants_state(self, rank: int, silent: float) -> bool:
+        """Is the process state worth reading now? Reading it is a syscall
+        per rank per tick: at 1,024 ranks that was the biggest part of the
+        controller's CPU, idle or not (benchmarks/scale.py). A rank whose
+        last message is younger than ``look_after`` was running then, so
+        the read is skipped (:meth:`judge` gets ``None`` and says ALIVE);
+        during calls every rank keeps talking and no read is made (idle,
+        heartbeats come every 0.5 s: most ranks are still read). The price:
+        a SIGSTOP right after a message may be seen up to ``look_after``
+        later (measured: no change, ticks are 0.25 s apart). A rank already
+        seen stopped or busy is always read, so its grace and its busy time
+        keep counting."""
+        return silent >= self.look_after or rank in self.stopped_since or rank in self.busy_since
 
     def judge(self, rank: int, silent: float, state: str | None, now: float) -> Verdict:
         """``silent``: seconds since the rank's last message; ``state``: its

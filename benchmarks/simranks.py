@@ -1,0 +1,391 @@
+"""Simulated ranks: many protocol-speaking ranks in a few processes, no torch.
+
+For measuring the controller alone at hundreds or thousands of ranks
+(benchmarks/scale.py) on a machine with two cores: a real rank is an
+interpreter with torch and a gloo group, so 1,024 of them cannot run here,
+and their own CPU would hide the controller's.
+
+:class:`SimLauncher` is a :class:`~monarch_nb.controller.launchers.Launcher`
+(``Mesh.start(n=N, launcher=SimLauncher(hosts=K))``). It starts ``K`` *host*
+processes (this file run as a script) and deals the ranks out round-robin.
+Each rank's environment reaches its host as one JSON line on the host's
+stdin (:func:`~monarch_nb.controller.launchers.rank_spec`: keys by pipe,
+never on a command line), as the ssh and slurm launchers send theirs.
+
+Each simulated rank speaks the real protocol on its own two DEALER sockets
+(``<identity>.main``, ``<identity>.ctl``) with its own two codecs: HELLO and
+READY, heartbeats every ``HEARTBEAT_S`` with health figures, the
+controller's pings. Every message in is verified (signature, replay window,
+sender) before it is read; every message out is signed. Answers:
+
+* CALL: a RESULT with no value (what a real rank sends for a no-op that
+  returns None); the call's pickled function is never unpickled;
+* EXEC: a RESULT whose value is the rank number (so a test can see each
+  rank answered as itself); the code is not run;
+* INTERRUPT, STACKS, REFORM: minimal well-formed answers; STOP: the rank
+  leaves, and the host exits when all its ranks left or its stdin closes.
+
+Supervision sees real processes: every rank of a host reports the host's
+pid, the supervisor opens a pidfd per rank (all on the host's pid, as it
+would on N real pids), and liveness reads the host's ``/proc`` state
+(sleeping or running: alive). A host that dies takes its ranks with it, and
+each is reported dead.
+
+Non-goals: running user code, torch.distributed, respawn (a host is not
+restarted; use ``respawn="off"``), shared memory, CurveZMQ.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+if __name__ == "__main__" and str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import zmq  # noqa: E402
+
+from monarch_nb import config  # noqa: E402
+from monarch_nb.config import RankEnv  # noqa: E402
+from monarch_nb.controller.launchers import Placement, rank_spec  # noqa: E402
+from monarch_nb.wire import serialize  # noqa: E402
+from monarch_nb.wire.protocol import Codec, Kind  # noqa: E402
+from monarch_nb.wire.transport import dealer, recv_frames, send_frames  # noqa: E402
+
+HEARTBEAT_S = 0.5  # as engine/worker.py
+SWEEP_S = 0.05  # how often a host looks for heartbeats due (and a silent controller)
+# what a real rank's HEARTBEAT carries (engine/health.py on a CPU rank), so
+# the controller decodes meta of the usual size
+HEALTH = {"cpu": 0.0, "rss": 350_000_000}
+
+
+# -- controller side: the launcher ---------------------------------------------------------------
+@dataclass
+class SimLauncher:
+    """Starts ``hosts`` host processes on first use; rank ``r`` lives on
+    host ``r % hosts``. Not remote: ranks are on this machine, so liveness
+    reads the host's process state as it reads a local rank's."""
+
+    hosts: int = 2
+    name: str = "sim"
+    remote: bool = False
+    procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def placement(self, rank: int, world_size: int) -> Placement:
+        return Placement("", 0, rank, world_size)
+
+    def master_addr(self, world_size: int) -> str:
+        return "127.0.0.1"
+
+    def start(self, rank: int, env: dict[str, str], log: IO[bytes]) -> subprocess.Popen[bytes]:
+        host = rank % self.hosts
+        popen = self.procs.get(host)
+        if popen is None or popen.poll() is not None:
+            # The host's own environment holds no secrets (as ssh's does not):
+            # each rank's key arrives in its spec line on stdin.
+            local = {k: v for k, v in env.items() if k not in config.SECRET_ENV}
+            local["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH"))
+                                                  if p)
+            popen = subprocess.Popen(
+                [sys.executable, str(HERE / "simranks.py")], env=local, stdin=subprocess.PIPE,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+            self.procs[host] = popen
+        assert popen.stdin is not None
+        try:
+            popen.stdin.write(rank_spec(env))
+            popen.stdin.flush()
+        except OSError:
+            pass  # the host died: its exit is reported as each rank's death
+        return popen
+
+    def host_pids(self) -> list[int]:
+        return [p.pid for p in self.procs.values()]
+
+
+# -- host side: the simulated ranks -------------------------------------------------------------
+class SimRank:
+    """One simulated rank: two sockets, two codecs, what it answers."""
+
+    __slots__ = ("rank", "env", "main", "ctl", "main_codec", "ctl_codec", "next_beat", "stopped",
+                 "value")
+
+    def __init__(self, ctx: zmq.Context, env: RankEnv, now: float) -> None:
+        self.rank = env.rank
+        self.env = env
+        self.main_codec = Codec(env.key, f"{env.identity}.main")
+        self.ctl_codec = Codec(env.key, f"{env.identity}.ctl")
+        self.main = dealer(ctx, f"{env.identity}.main", env.controller, env.curve)
+        self.ctl = dealer(ctx, f"{env.identity}.ctl", env.controller, env.curve)
+        self.main.setsockopt(zmq.LINGER, 0)
+        self.ctl.setsockopt(zmq.LINGER, 0)
+        self.next_beat = now + HEARTBEAT_S
+        self.stopped = False
+        self.value = [bytes(f) for f in serialize.dumps(env.rank)]  # EXEC's answer
+
+    def hello(self) -> None:
+        pid = os.getpid()
+        self.send_ctl(Kind.HELLO, meta={"pid": pid, "incarnation": self.env.incarnation,
+                                        "host": os.uname().nodename})
+        self.send_main(Kind.READY, meta={"device": "cpu", "pid": pid})
+
+    def send_main(self, kind: Kind, payload: list[Any] | None = None, *, call: int = 0,
+                  meta: dict[str, Any] | None = None) -> None:
+        send_frames(self.main, self.main_codec.sign(kind, payload or [], call=call, meta=meta))
+
+    def send_ctl(self, kind: Kind, payload: list[Any] | None = None, *, call: int = 0,
+                 meta: dict[str, Any] | None = None) -> None:
+        send_frames(self.ctl, self.ctl_codec.sign(kind, payload or [], call=call, meta=meta))
+
+
+class Host:
+    """The host process: one thread, one epoll set over every rank's sockets
+    and stdin (where rank specs arrive).
+
+    epoll on each socket's ``ZMQ_FD``, not ``zmq.Poller``: a zmq poll walks
+    every socket of the host on every wake-up (hundreds here), which made
+    the simulated ranks cost more CPU than the controller they are there to
+    load. ``ZMQ_FD`` only signals a change, so a socket that fires is read
+    until ``zmq.Again``, and after sending on a socket outside that loop
+    (heartbeats, the handshake) it is read again: a send may consume the
+    signal of a message that arrived meanwhile."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        # two sockets per rank: libzmq's default of 1,023 sockets a context
+        # would stop a host at 511 ranks
+        self.ctx.set(zmq.MAX_SOCKETS, 65536)
+        self.epoll = select.epoll()
+        self.by_fd: dict[int, tuple[SimRank, bool]] = {}  # ZMQ_FD -> (rank, is main)
+        self.ranks: list[SimRank] = []
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.stdin = sys.stdin.fileno()
+        os.set_blocking(self.stdin, False)
+        self.epoll.register(self.stdin, select.EPOLLIN)
+        self.buffer = b""
+        self.last_ping = time.monotonic()
+        self.timeout = 10.0
+
+    def add(self, line: bytes) -> None:
+        env = RankEnv.from_environ(json.loads(line)["env"])
+        self.timeout = env.controller_timeout
+        rank = SimRank(self.ctx, env, time.monotonic())
+        self.ranks.append(rank)
+        for sock, main in ((rank.main, True), (rank.ctl, False)):
+            fd = int(sock.getsockopt(zmq.FD))  # (typed int | bytes: an int for FD)
+            self.by_fd[fd] = (rank, main)
+            self.epoll.register(fd, select.EPOLLIN)
+        rank.hello()
+        self.drain(rank, True)
+        self.drain(rank, False)
+
+    def read_specs(self) -> bool:
+        """New rank specs from stdin; False at its end (the mesh is gone)."""
+        try:
+            data = os.read(self.stdin, 1 << 20)
+        except BlockingIOError:
+            return True
+        if not data:
+            return False
+        self.buffer += data
+        *lines, self.buffer = self.buffer.split(b"\n")
+        for line in lines:
+            if line.strip():
+                self.add(line)
+        return True
+
+    def serve(self) -> None:
+        next_sweep = time.monotonic() + SWEEP_S
+        while True:
+            timeout = max(0.0, next_sweep - time.monotonic())
+            for fd, _ in self.epoll.poll(timeout + 0.001):
+                if fd == self.stdin:
+                    if not self.read_specs():
+                        return
+                    continue
+                rank, main = self.by_fd[fd]
+                self.drain(rank, main)
+            if self.ranks and all(r.stopped for r in self.ranks):
+                return
+            now = time.monotonic()
+            if now >= next_sweep:
+                next_sweep = now + SWEEP_S
+                self.sweep(now)
+
+    def sweep(self, now: float) -> None:
+        if now - self.last_ping > self.timeout:  # the controller is gone (as worker.py)
+            print(f"simranks host {os.getpid()}: controller silent for {self.timeout:g} s, "
+                  "exiting", file=sys.stderr, flush=True)
+            os._exit(3)
+        meta = {"busy": 0, "h": HEALTH}
+        for rank in self.ranks:
+            if now >= rank.next_beat and not rank.stopped:
+                rank.next_beat = now + HEARTBEAT_S
+                rank.send_ctl(Kind.HEARTBEAT, meta=meta)
+                self.drain(rank, False)  # the send may have taken a ping's signal
+
+    def drain(self, rank: SimRank, main: bool) -> None:
+        sock, codec = (rank.main, rank.main_codec) if main else (rank.ctl, rank.ctl_codec)
+        while True:
+            try:
+                frames = recv_frames(sock, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = codec.verify(frames)  # signature, then replay, then parse
+            except Exception as exc:  # ProtocolError: counted and dropped, as a rank does
+                self.dropped[getattr(exc, "reason", "malformed")] += 1
+                continue
+            kind = msg.kind
+            if kind is Kind.CALL:
+                # A real rank's RESULT for a no-op returning None: one frame, no meta.
+                send_frames(sock, codec.sign(Kind.RESULT, (), call=msg.call))
+            elif kind is Kind.EXEC:
+                rank.send_main(Kind.RESULT, rank.value, call=msg.call)
+            elif kind is Kind.PING:
+                self.last_ping = time.monotonic()
+            elif kind is Kind.STOP:
+                rank.stopped = True
+            elif kind is Kind.INTERRUPT:
+                rank.send_ctl(Kind.INTERRUPTED, call=msg.call, meta={"where": ""})
+            elif kind is Kind.STACKS:
+                flight = msg.meta.get("flight")
+                rank.send_ctl(Kind.STACKS_REPLY, [b"[]"] if flight else None, call=msg.call,
+                              meta={"threads": [], "busy": 0})
+            elif kind is Kind.REFORM:
+                generation = int(msg.meta.get("generation", 0))
+                rank.send_main(Kind.REFORMED, meta={"generation": generation, "error": ""})
+
+    def close(self) -> None:
+        self.epoll.close()
+        # destroy, not term: a rank half made (its second socket refused)
+        # has a socket no table holds, and term would wait for it forever
+        self.ctx.destroy(linger=0)
+
+
+# -- the floor: raw ZeroMQ, nothing of monarch_nb ------------------------------------------------
+def echo_host(endpoint: str, first: int, count: int) -> None:
+    """``count`` DEALERs (identities ``e<first>``...) that answer every
+    message with ``b"ok"``: the ranks of :func:`floor` (no signing, no
+    parsing). Exits when any of them receives ``b"stop"``."""
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 65536)
+    poller = zmq.Poller()
+    socks = []
+    for i in range(first, first + count):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"e{i}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        sock.send(b"ready")
+        poller.register(sock, zmq.POLLIN)
+        socks.append(sock)
+    try:
+        while True:
+            for sock, _ in poller.poll(1000):
+                while True:
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    if frame.bytes == b"stop":
+                        return
+                    sock.send(b"ok")
+    finally:
+        ctx.destroy(linger=0)
+
+
+def floor(n: int, hosts: int, calls: int) -> tuple[list[float], float]:
+    """The raw ZeroMQ floor at ``n`` ranks: a ROUTER here sends a 100-byte
+    frame to ``n`` DEALERs in ``hosts`` processes and waits for every
+    answer, ``calls`` times. Returns (round trips in seconds, this
+    process's CPU seconds per rank per round trip)."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.RCVHWM, 0)
+    router.setsockopt(zmq.SNDHWM, 0)
+    endpoint = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    per = -(-n // hosts)
+    procs = [subprocess.Popen([sys.executable, str(HERE / "simranks.py"), "--echo", endpoint,
+                               str(first), str(min(per, n - first))], env=env,
+                              start_new_session=True)
+             for first in range(0, n, per)]
+    idents = [f"e{i}".encode() for i in range(n)]
+    payload = b"x" * 100
+    try:
+        for _ in range(n):  # every DEALER said "ready"
+            router.recv_multipart()
+
+        def round_trip() -> None:
+            for ident in idents:
+                router.send(ident, zmq.SNDMORE)
+                router.send(payload)
+            for _ in range(n):
+                router.recv()
+                router.recv()
+
+        for _ in range(10):
+            round_trip()
+        times = []
+        c0 = time.process_time()
+        for _ in range(calls):
+            t = time.perf_counter()
+            round_trip()
+            times.append(time.perf_counter() - t)
+        cpu = (time.process_time() - c0) / (calls * n)
+        for first in range(0, n, per):
+            router.send_multipart([idents[first], b"stop"])
+        for p in procs:
+            p.wait(10)
+        return times, cpu
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        ctx.destroy(linger=0)
+
+
+def _set_parent_death_signal() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def main() -> None:
+    # No orphans, as a real rank: killed with the forking thread's process,
+    # and gone at once if that process died before the signal was armed.
+    _set_parent_death_signal()
+    if sys.argv[1:2] == ["--echo"]:
+        echo_host(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        os._exit(0)
+    parent = os.environ.get(config.ENV_PARENT_PID)
+    if parent and os.getppid() != int(parent):
+        os._exit(3)
+    host = Host()
+    try:
+        host.serve()
+    finally:
+        if host.dropped:
+            print(f"simranks host {os.getpid()}: dropped {dict(host.dropped)}", file=sys.stderr,
+                  flush=True)
+        host.close()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
