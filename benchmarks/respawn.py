@@ -16,6 +16,11 @@
   survivors were replaced on the way (target: <= 1.0 s, none).
 
 Medians over --repeat trials; the machine is noisy, so read them as such.
+Each trial kills one rank three times, rotating over ranks 1..N-1: with
+``--ranks 2`` every kill hits rank 1, whose respawns then wait out the
+crash-loop backoff (0.5 s, 1 s, 2 s... from its second death in ten
+minutes: controller/policy.py), so the later trials measure that backoff,
+not a respawn. Use 4 ranks (the default) for the figures in the README.
 """
 
 from __future__ import annotations
