@@ -43,7 +43,7 @@ from ..wire import chunks, gpuipc, serialize, shm
 from ..wire.metricframes import decode as decode_metrics
 from ..wire.protocol import Codec, Kind, Message, new_key
 from ..wire.transport import CurveKeys, IOLoop
-from . import liveness
+from . import liveness, logdirs
 from .calls import Caller
 from .calltable import CallTable, PendingCall
 from .dataplane import DataPlane
@@ -81,6 +81,7 @@ class Controller:
                         "anyone on the network can read every message", cfg.bind)
         self.io = IOLoop(self.codec, self._on_message, bind=cfg.bind, on_tick=self._on_tick,
                          max_message_bytes=cfg.max_message_bytes, curve=self.curve)
+        logdirs.sweep()  # log directories left by controllers that were killed
         self.supervisor = Supervisor(
             world_size=world_size, backend=backend, controller_endpoint=self.io.endpoint,
             key=self.key, mesh_id=self.mesh_id, master_port=free_port(),

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +30,7 @@ import psutil
 
 from .. import config
 from ..backends import BackendInfo, pin_env
-from . import deathcause, spares
+from . import deathcause, logdirs, spares
 from .launchers import Launcher, LocalLauncher
 from .spawner import Spawner
 
@@ -71,7 +70,7 @@ class Supervisor:
     extra_env: dict[str, str] = field(default_factory=dict)
     launcher: Launcher = field(default_factory=LocalLauncher)
     spawner: Spawner = field(default_factory=Spawner)  # forks every process
-    log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="monarch-nb-"))
+    log_dir: str = field(default_factory=logdirs.make)  # marked as ours; swept if we die
     procs: dict[int, RankProcess] = field(default_factory=dict)
     history: list[RankProcess] = field(default_factory=list)
     spare: subprocess.Popen[bytes] | None = None  # torch imported, waiting (spares.py)
