@@ -373,12 +373,16 @@ class Controller:
             msg.payload = chunks.join(msg.payload, msg.meta["parts"])
             return True
         except chunks.ChunkError as exc:
-            log.warning("monarch_nb: rank %d's result: %s", info.rank, exc)
-            if call is not None and info.rank in call.remaining:
-                self.calls.complete(call, info.rank, error=RemoteError(
-                    info.rank, "SerializationError",
-                    f"the result arrived but its pieces do not fit together: {exc}", ""))
+            self._refuse_result(info, call, f"its pieces do not fit together: {exc}")
             return False
+
+    def _refuse_result(self, info: RankInfo, call: PendingCall | None, why: str) -> None:
+        """A result whose frames could not be put back: the call gets the
+        rank's error, and the log says why."""
+        log.warning("monarch_nb: rank %d's result: %s", info.rank, why)
+        if call is not None and info.rank in call.remaining:
+            self.calls.complete(call, info.rank, error=RemoteError(
+                info.rank, "SerializationError", f"the result arrived but {why}", ""))
 
     def _attach(self, info: RankInfo, msg: Message, call: PendingCall | None) -> bool:
         """Put the frames a rank sent by shared memory back into ``msg``
@@ -392,11 +396,7 @@ class Controller:
             msg.payload = self.dataplane.attach(msg.payload, desc, peer)
             return True
         except shm.ShmError as exc:
-            log.warning("monarch_nb: rank %d's result: shared memory refused: %s", info.rank, exc)
-            if call is not None and info.rank in call.remaining:
-                self.calls.complete(call, info.rank, error=RemoteError(
-                    info.rank, "SerializationError",
-                    f"the result arrived but its shared memory was refused: {exc}", ""))
+            self._refuse_result(info, call, f"its shared memory was refused: {exc}")
             return False
         finally:
             self.io.send(info.ctl_id, self.codec.sign(Kind.RELEASE, meta={"tok": shm.token_of(desc)}))
