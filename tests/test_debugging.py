@@ -213,7 +213,7 @@ def test_a_prompt_already_sent_as_output_is_still_the_prompt(shared3: Mesh,
     shared3._ctl.ask = script
     capsys.readouterr()
     code = ("import sys, time\nsys.stdout.write('colour? ')\nsys.stdout.flush()\n"
-            "time.sleep(0.5)\ninput()\n")
+            "time.sleep(0.2)\ninput()\n")
     assert shared3.ranks(1).exec(code, name="<mnb-cell-13>") == {1: "blue"}
     assert script.prompts == ["[rank 1] colour? "]
     assert "colour?" not in capsys.readouterr().out

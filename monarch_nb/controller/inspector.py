@@ -192,11 +192,16 @@ class Inspector:
         if call is None:
             return
         call.progress_at = time.monotonic()
-        # The prompt is the rank's unfinished line. The rank sends it with the
-        # request, unless its output went out first (the control thread took
-        # the chunk between pdb's write and its read): then it is here, and
-        # must be taken before the flush below would print it as output.
-        text = str(msg.meta.get("prompt") or "") or call.output.take_partial(info.rank) or "? "
+        # The prompt is the rank's unfinished line, sent with the request
+        # (engine/capture.py). If the rank's control thread sent it, or its
+        # beginning, as output first (between pdb's write and its read), it
+        # is also here as an unfinished line: taken before the flush below
+        # would print it as output too.
+        text = str(msg.meta.get("prompt") or "")
+        held = call.output.take_partial(info.rank)
+        if held and text and not text.startswith(held):
+            call.output.feed(info.rank, "stdout", held)  # not the prompt's: put it back
+        text = text or held or "? "
         call.output.flush(force=True)
         waiting = {p.rank for p in self.prompts if p.call_id == call.call_id}
         focus = self.debug_focus.get(call.call_id)

@@ -36,6 +36,7 @@ class OutputBuffer:
         self.chunks = 0  # OUTPUT chunks taken for the current call
         self._forwarded = 0
         self._dropped = 0
+        self._tail = ""  # the unfinished stdout line already taken by take_chunk
         self.limit = limit
 
     def begin(self, call: int) -> list[list[str]]:
@@ -43,6 +44,7 @@ class OutputBuffer:
         from outside any call (background threads)."""
         with self._lock:
             self.call, self.chunks, self._forwarded, self._dropped = call, 0, 0, 0
+            self._tail = ""
             items = self._items
             if not items:  # the usual case: nothing printed between calls
                 return []
@@ -74,24 +76,37 @@ class OutputBuffer:
             items, self._items, self._pending = self._items, [], 0
             n = self.chunks
             self.chunks += 1
-            return self.call, n, _joined(items)
+            joined = _joined(items)
+            for stream, text in joined:  # the unfinished stdout line that goes out now
+                if stream == "stdout":
+                    cut = text.rfind("\n") + 1
+                    self._tail = text[cut:] if cut else self._tail + text
+            return self.call, n, joined
 
     def take_partial(self, stream: str = "stdout") -> str:
-        """Remove and return the unfinished last line of ``stream`` (a
+        """Remove and return the unfinished last line of ``stdout`` (a
         debugger's ``(Pdb) `` prompt, which the notebook shows in its input
-        box instead of as output)."""
+        box instead of as output). The control thread may have sent its
+        beginning already (it sends on its own clock, between the write and
+        the read): that part is remembered (``_tail``) and put in front."""
         with self._lock:
-            if not self._items or self._items[-1][0] != stream:
+            tail, self._tail = self._tail, ""
+            items = self._items
+            if not items:
+                return tail  # all of it went out already
+            if items[-1][0] != stream:
                 return ""
-            text = "".join(self._items[-1][1])
+            text = "".join(items[-1][1])
             cut = text.rfind("\n") + 1
             partial = text[cut:]
-            if cut:
-                self._items[-1][1] = [text[:cut]]
-            else:
-                self._items.pop()
             self._pending -= len(partial)
-            return partial
+            if cut:
+                items[-1][1] = [text[:cut]]
+                return partial
+            items.pop()
+            if any("\n" in t for s, texts in items if s == stream for t in texts):
+                return partial  # the line began after a newline not sent yet
+            return tail + partial  # the line began in a chunk already sent
 
     def finish(self) -> tuple[int, list[list[str]]]:
         """End the call: (chunks already taken, remaining items)."""
@@ -106,6 +121,7 @@ class OutputBuffer:
                 )
             n = self.chunks
             self.call, self.chunks, self._forwarded, self._dropped = 0, 0, 0, 0
+            self._tail = ""
             return n, items
 
 
