@@ -53,11 +53,14 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 120, **env: str
 
 
 def _probes(out: str) -> dict[int, dict[str, Any]]:
+    # torchrun's ranks share one stdout with no line discipline: two probes
+    # can land on one line ("PROBE {...}PROBE {...}"), so each is decoded
+    # where it starts, up to where its JSON ends.
     found = {}
-    for line in out.splitlines():
-        if "PROBE " in line:
-            data = json.loads(line.split("PROBE ", 1)[1])
-            found[int(data["env"]["RANK"])] = data
+    decoder = json.JSONDecoder()
+    for piece in out.split("PROBE ")[1:]:
+        data, _ = decoder.raw_decode(piece)
+        found[int(data["env"]["RANK"])] = data
     return found
 
 
