@@ -10,8 +10,19 @@ import sys
 import tempfile
 from pathlib import Path
 
+import psutil
+
 from monarch_nb import Mesh
 from monarch_nb.controller import logdirs
+
+from .conftest import wait_for
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _made_by_a_process_that_ended(root: Path) -> Path:
@@ -50,12 +61,16 @@ def test_a_mesh_start_sweeps_what_a_killed_controller_left(tmp_path: Path) -> No
     # (parent-death signal), its log directory stays
     code = ("import os, sys, tempfile\ntempfile.tempdir = sys.argv[1]\n"
             "from monarch_nb import Mesh\nm = Mesh.start(n=1, backend='cpu', spare=False)\n"
-            "print(m._ctl.supervisor.log_dir, flush=True)\nos.kill(os.getpid(), 9)\n")
+            "pids = [p.pid for p in m._ctl.supervisor.procs.values()]\n"
+            "print(m._ctl.supervisor.log_dir, *pids, flush=True)\nos.kill(os.getpid(), 9)\n")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == -9, out.stderr
-    left = Path(out.stdout.strip())
+    folder, *pids = out.stdout.split()
+    left = Path(folder)
     assert left.is_dir() and left.parent == tmp_path
+    wait_for(lambda: not any(_alive(int(p)) for p in pids),
+             timeout=30, what="the killed controller's ranks to end with it")
     tempfile.tempdir, saved = str(tmp_path), tempfile.tempdir
     try:
         mesh = Mesh.start(n=1, backend="cpu", spare=False)
