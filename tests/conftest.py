@@ -8,6 +8,7 @@ fixture the run if any ``monarch_nb.worker`` process outlives the tests
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -129,12 +130,23 @@ def no_leftovers() -> Iterator[None]:
     while leftovers() and time.monotonic() < deadline:
         time.sleep(0.1)
     leaked = leftovers()
-    for pid in leaked:  # clean up so the next tests run, then fail this one
+    about = []
+    for pid in leaked:  # say what each one is, kill it so the next tests run, fail this one
         try:
+            p = psutil.Process(pid)
+            env = p.environ()
+            mesh_ids = {m._ctl.mesh_id for m in mesh_mod._live_meshes}
+            about.append(
+                f"pid {pid}: parent {p.ppid()}, {p.status()}, up {time.time() - p.create_time():.1f} s, "
+                f"{'a spare' if env.get('MONARCH_NB_SPARE') else 'rank ' + env.get('RANK', '?')}"
+                f" incarnation {env.get('MONARCH_NB_INCARNATION', '?')}, mesh "
+                f"{env.get('MONARCH_NB_MESH_ID', '?')} "
+                f"({'live' if env.get('MONARCH_NB_MESH_ID') in mesh_ids else 'not a live mesh'})")
+        except psutil.Error:
+            about.append(f"pid {pid}: (gone while looked at)")
+        with contextlib.suppress(psutil.Error):
             psutil.Process(pid).kill()
-        except psutil.NoSuchProcess:
-            pass
-    assert not leaked, f"this test left rank processes running: {sorted(leaked)}"
+    assert not leaked, f"this test left rank processes running: {sorted(leaked)}: {about}"
 
 
 @pytest.fixture(scope="module")
