@@ -80,7 +80,7 @@ def jupyter_lab(tmp_path: pathlib.Path, name: str, cells: list[str],
     root = tmp_path / "nb"
     root.mkdir()
     (root / name).write_text(json.dumps(notebook(cells)))
-    port, token = free_port(), secrets.token_hex(16)
+    token = secrets.token_hex(16)
     env = dict(os.environ)
     for var in ("JUPYTER_CONFIG_DIR", "JUPYTER_RUNTIME_DIR"):
         env[var] = str(tmp_path / var.lower())
@@ -88,29 +88,44 @@ def jupyter_lab(tmp_path: pathlib.Path, name: str, cells: list[str],
     env.update(env_extra or {})
     log_path = tmp_path / "lab.log"
     log = open(log_path, "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
-         f"--port={port}", "--ip=127.0.0.1", f"--ServerApp.token={token}",
-         f"--ServerApp.root_dir={root}", "--LabApp.news_url=", "--LabApp.expose_app_in_browser=True",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
-    url = f"http://127.0.0.1:{port}"
+    proc: subprocess.Popen[bytes] | None = None
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+        # free_port() only finds a port free *now*: another test's process may
+        # take it before the server binds it. The server must not quietly move
+        # to the next port (port_retries=0: it exits instead); then start it
+        # again on another one.
+        for _ in range(5):
+            port = free_port()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
+                 f"--port={port}", "--ServerApp.port_retries=0", "--ip=127.0.0.1",
+                 f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}",
+                 "--LabApp.news_url=", "--LabApp.expose_app_in_browser=True",
+                 "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 90
+            while proc.poll() is None:
+                try:
+                    urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, (
+                        "JupyterLab did not start in 90 s:\n" + log_path.read_text()[-3000:])
+                    time.sleep(0.25)  # polling the server's status until it answers
+            if proc.poll() is None:
                 break
-            except OSError:
-                assert time.monotonic() < deadline, "JupyterLab did not start in 90 s"
-                time.sleep(0.25)  # polling the server's status until it answers
+            text = log_path.read_text()
+            assert "already in use" in text, text[-3000:]  # any other exit is a failure
+        else:
+            raise AssertionError("JupyterLab found no free port in 5 tries")
         yield url, token
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         log.close()
