@@ -202,7 +202,7 @@ def test_shares_of_a_payload_never_sent_are_released(released: list[tuple[bytes,
 
 
 def test_the_call_holds_its_shares_until_it_finishes(released: list[tuple[bytes, int]]) -> None:
-    plane = DataPlane("m", None, 1 << 30)
+    plane = DataPlane("m", None, 1 << 30, gpu_ipc=True)
     _fake_share("a", 1)
     plane.pack_call(7, [b"x"])  # the shares pickled on this thread become call 7's
     _fake_share("b", 2)

@@ -105,7 +105,7 @@ class Controller:
         # remote ranks no threshold either, so they never send a descriptor).
         self.dataplane = DataPlane(self.mesh_id,
                                    None if self.supervisor.launcher.remote else cfg.shm_threshold,
-                                   cfg.max_message_bytes)
+                                   cfg.max_message_bytes, gpu_ipc=ipc_on)
         self.ranks = RankTable(world_size)
         # look_after: always below the timeout (a silence past it is looked at)
         self.liveness = liveness.Liveness(

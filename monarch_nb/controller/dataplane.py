@@ -32,8 +32,10 @@ from ..wire import gpuipc, shm
 class DataPlane:
     """Segments of the calls in flight, by call id."""
 
-    def __init__(self, mesh_id: str, threshold: int | None, max_bytes: int) -> None:
+    def __init__(self, mesh_id: str, threshold: int | None, max_bytes: int,
+                 gpu_ipc: bool = False) -> None:
         self.mesh_id = mesh_id
+        self.gpu_ipc = gpu_ipc  # off: no GPU shares to claim (every call's path skips it)
         self.threshold = threshold  # None: off (every byte through the sockets)
         self.max_bytes = max_bytes
         self._segments: dict[int, shm.Segment] = {}
@@ -45,10 +47,11 @@ class DataPlane:
         everything by socket). Any thread: the caller's, before signing
         (the thread that pickled the payload: its GPU shares become the
         call's)."""
-        shares = gpuipc.claim()
-        if shares:
-            self._gpu[call_id] = shares
-            self.counts["gpu_shares"] += len(shares)
+        if self.gpu_ipc:
+            shares = gpuipc.claim()
+            if shares:
+                self._gpu[call_id] = shares
+                self.counts["gpu_shares"] += len(shares)
         threshold = self.threshold
         if threshold is None:
             return list(payload), None
