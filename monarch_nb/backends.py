@@ -205,6 +205,27 @@ def _await_members(store: Any, world_size: int, abort: Callable[[], bool],
         pause = min(0.02, pause * 2)
 
 
+def native_crash_stacks() -> bool:
+    """Turn on torch's own fatal-signal handler (c10's): on SIGSEGV, SIGBUS,
+    SIGILL, SIGFPE or SIGABRT it writes every thread's native stack to fd 2,
+    then hands the signal to the handler before it (faulthandler's Python
+    dump). Python's faulthandler gains C stacks only in 3.14; this gives
+    them on every Python torch supports. A private torch API: False where
+    this build lacks it, and the crash dump stays Python only. Install it
+    after faulthandler and before any Python-level SIGINT handler (which
+    then replaces c10's for SIGINT: an interrupt is not a crash)."""
+    import torch
+
+    turn_on = getattr(torch._C, "_set_print_stack_traces_on_fatal_signal", None)
+    if turn_on is None:
+        return False
+    try:
+        turn_on(True)
+    except Exception:  # a build without the handlers raises
+        return False
+    return True
+
+
 def init_group(backend: str, rank: int, world_size: int, addr: str = "127.0.0.1",
                port: int = 0, timeout_s: float | None = None,
                abort: Callable[[], bool] | None = None) -> str:

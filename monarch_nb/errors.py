@@ -94,6 +94,9 @@ class RankDied(MonarchError):
     silent_for: float | None = None  # set when killed for missing heartbeats
     frozen: str = ""  # what the OS said of it then ("stopped by a signal")
     cause_hint: str = ""  # why, when the controller could tell (controller/deathcause.py)
+    # a crash (SIGSEGV, SIGABRT...): the crashing thread's Python frames, then
+    # its native ones, one line each (replaces the last output, the same dump)
+    crash_stack: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         Exception.__init__(self, self.rank, self.exitcode, self.signal_name)
@@ -111,13 +114,21 @@ class RankDied(MonarchError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (RankDied, (self.rank, self.exitcode, self.signal_name, self.last_lines,
-                           self.incarnation, self.silent_for, self.frozen, self.cause_hint))
+                           self.incarnation, self.silent_for, self.frozen, self.cause_hint,
+                           self.crash_stack))
+
+    @property
+    def headline(self) -> str:
+        """One line: who died, how, and why when known."""
+        text = f"rank {self.rank} died ({self.cause})"
+        return f"{text}: {self.cause_hint}" if self.cause_hint else text
 
     def __str__(self) -> str:
-        text = f"rank {self.rank} died ({self.cause})"
-        if self.cause_hint:
-            text += f": {self.cause_hint}"
-        if self.last_lines:
+        text = self.headline
+        if self.crash_stack:
+            stack = "\n".join("    " + line for line in self.crash_stack)
+            text += f"; the crashing thread:\n{stack}"
+        elif self.last_lines:
             tail = "\n".join("    " + line for line in self.last_lines)
             text += f"; its last output:\n{tail}"
         return text

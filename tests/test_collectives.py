@@ -19,6 +19,7 @@ import pytest
 
 from monarch_nb import Mesh, RankErrors
 from monarch_nb.controller.output import CallOutput
+from monarch_nb.errors import RankDied
 from monarch_nb.wire.protocol import Kind
 
 from .conftest import wait_for
@@ -411,9 +412,20 @@ def test_a_segfault_is_named_with_the_line(mesh: Mesh) -> None:
     text = str(info.value)
     assert ("--- rank 1: RankDied: rank 1 died (killed by SIGSEGV): Segmentation fault in "
             "string_at (ctypes/__init__.py line ") in text, text
-    assert "called from <mnb-cell-40> line 2" in text
+    assert "called from <mnb-cell-40> line 2; native: libc.so.6+0x" in text, text
+    # the crashing thread's whole stack, Python then native (torch's c10 handler)
+    died_err = info.value.errors[1]
+    assert isinstance(died_err, RankDied)
+    stack = list(died_err.crash_stack)
+    assert stack[0] == "Python (most recent call first):", stack
+    assert stack[1].startswith("  string_at (ctypes/__init__.py line ") and stack[2] == (
+        "  <mnb-cell-40> line 2"), stack
+    native = stack[stack.index("native (most recent call first):") + 1:]
+    assert any("_ctypes" in f for f in native) and "  (Python frames)" in native, stack
+    assert "the crashing thread:\n    Python (most recent call first):" in text
     died = [e for e in mesh.events if e["kind"] == "died" and e["rank"] == 1][-1]
     assert "Segmentation fault in string_at" in died["detail"]
+    assert "; native: libc.so.6+0x" in died["detail"]
     wait_for(lambda: mesh.status()[1]["state"] == "ready", timeout=60, what="rank 1 back")
 
 
@@ -423,7 +435,8 @@ def test_an_abort_is_named_with_the_line(mesh: Mesh) -> None:
                            name="<mnb-cell-43>", timeout=60)
     text = str(info.value)
     assert ("--- rank 2: RankDied: rank 2 died (killed by SIGABRT): Aborted in give_up "
-            "(<mnb-cell-43> line 3)") in text, text
+            "(<mnb-cell-43> line 3); native: ") in text, text
+    assert "  abort (libc.so.6)" in info.value.errors[2].crash_stack, text
     wait_for(lambda: mesh.status()[2]["state"] == "ready", timeout=60, what="rank 2 back")
 
 

@@ -6,6 +6,7 @@ the trace document and the death causes, all from scripted records."""
 from __future__ import annotations
 
 import json
+import pickle
 import signal
 from collections.abc import Iterator
 from typing import Any
@@ -414,6 +415,54 @@ def test_a_crash_names_the_crashing_frame_and_the_user_line() -> None:
     assert deathcause.explain(-signal.SIGABRT, ["no dump"]) == ""
 
 
+# torch's own fatal-signal handler (c10's) writes every thread's native stack
+# first; the crashing thread is the one that went through fatalSignalHandler
+NATIVE = """\
+SIGSEGV(11), PID: 7, Thread 8: \n\
+ frame #0: c10::FatalSignalHandler::stacktraceSignalHandler(bool) + 0x8f (0x7f3d0099 in /v/torch/lib/libc10.so)
+frame #1: <unknown function> + 0x3c050 (0x7f3d02c5 in /lib/x86_64-linux-gnu/libc.so.6)
+frame #2: pthread_cond_wait + 0x1e8 (0x7f3d02c9 in /lib/x86_64-linux-gnu/libc.so.6)
+
+SIGSEGV(11), PID: 7, Thread 7: \n\
+ frame #0: c10::FatalSignalHandler::stacktraceSignalHandler(bool) + 0x8f (0x7f3d0099 in /v/torch/lib/libc10.so)
+frame #1: c10::FatalSignalHandler::fatalSignalHandler(int, siginfo_t*) + 0x2da (0x7f3d0099 in /v/torch/lib/libc10.so)
+frame #2: <unknown function> + 0x3c050 (0x7f3d02c5 in /lib/x86_64-linux-gnu/libc.so.6)
+frame #3: <unknown function> + 0x167ad8 (0x7f3d02d7 in /lib/x86_64-linux-gnu/libc.so.6)
+frame #4: at::native::add_kernel(at::TensorIterator&) + 0x10 (0x7f3d0286 in /v/torch/lib/libtorch_cpu.so)
+frame #5: ffi_call + 0xcd (0x7f3d0284 in /lib/x86_64-linux-gnu/libffi.so.8)
+<omitting python frames>
+frame #9: __libc_start_main + 0x85 (0x7f3d02c3 in /lib/x86_64-linux-gnu/libc.so.6)
+
+""".splitlines()
+
+
+def test_a_crash_names_its_native_frames_and_gives_the_whole_stack() -> None:
+    hint = deathcause.explain(-signal.SIGSEGV, NATIVE + FAULT)
+    assert hint == ("Segmentation fault in string_at (ctypes/__init__.py line 519), "
+                    "called from <mnb-cell-3> line 2; native: libc.so.6+0x167ad8 <- "
+                    "at::native::add_kernel(at::TensorIterator&) (libtorch_cpu.so) <- "
+                    "ffi_call (libffi.so.8)")
+    assert deathcause.crash_stack(NATIVE + FAULT) == [
+        "Python (most recent call first):",
+        "  string_at (ctypes/__init__.py line 519)",
+        "  <mnb-cell-3> line 2",
+        "  _run_cell (/work/main/monarch_nb/engine/worker.py line 381)",
+        "  _execute (/work/main/monarch_nb/engine/worker.py line 202)",
+        "native (most recent call first):",
+        "  libc.so.6+0x167ad8",
+        "  at::native::add_kernel(at::TensorIterator&) (libtorch_cpu.so)",
+        "  ffi_call (libffi.so.8)",
+        "  (Python frames)",
+        "  __libc_start_main (libc.so.6)"]
+    # native frames alone (no faulthandler dump), and neither: nothing made up
+    assert deathcause.explain(-signal.SIGSEGV, NATIVE).startswith("SIGSEGV; native: libc.so.6")
+    assert deathcause.crash_stack(["plain output"]) == []
+    # only the other threads' dumps (the crashing one cut off): no native part
+    assert deathcause.crash_stack(NATIVE[:4]) == []
+    assert deathcause.is_crash(-signal.SIGABRT) and not deathcause.is_crash(-signal.SIGKILL)
+    assert not deathcause.is_crash(1)
+
+
 def test_sigkill_not_ours_points_at_the_oom_killer() -> None:
     gib = 2**30
     assert deathcause.explain(-9, [], last_rss=6 * gib, mem_total=16 * gib) == (
@@ -501,6 +550,13 @@ def test_rank_died_shows_the_hint() -> None:
 
     err = RankDied(1, None, "SIGSEGV", ("x",), cause_hint="Segmentation fault in f (a.py line 1)")
     assert str(err).startswith("rank 1 died (killed by SIGSEGV): Segmentation fault in f")
+    crashed = RankDied(1, None, "SIGSEGV", ("dump",), cause_hint="Segmentation fault in f",
+                       crash_stack=("Python (most recent call first):", "  f (a.py line 1)"))
+    assert str(crashed) == ("rank 1 died (killed by SIGSEGV): Segmentation fault in f; the "
+                            "crashing thread:\n    Python (most recent call first):\n"
+                            "      f (a.py line 1)")
+    assert crashed.headline == "rank 1 died (killed by SIGSEGV): Segmentation fault in f"
+    assert pickle.loads(pickle.dumps(crashed)) == crashed
     assert RankDied(*err.__reduce__()[1]) == err
 
 

@@ -8,7 +8,13 @@ than the exit status already says).
   stack into the log; the crashing thread is the one marked ``Current
   thread``. Its innermost frame and the innermost frame of the user's code
   are named: ``Segmentation fault in string_at (ctypes/__init__.py line
-  519), called from <mnb-cell-3> line 2``;
+  519), called from <mnb-cell-3> line 2``. Ranks also turn on torch's own
+  fatal-signal handler (c10's), which first writes every thread's native
+  stack: the crashing thread's is the one that went through
+  ``fatalSignalHandler``, and its innermost frames are named too
+  (``native: libc.so.6+0x167ad8 <- _ctypes...so+0x8608``).
+  :func:`crash_stack` gives that thread's whole Python and native stack
+  for ``RankDied.crash_stack``;
 * SIGKILL that monarch_nb did not send (``%monarch kill``, a frozen rank, a
   stuck survivor): nothing else on a machine sends SIGKILL as often as the
   kernel's OOM killer, so it is named, with the rank's last resident memory
@@ -41,6 +47,11 @@ NEAR_LIMIT_FRACTION = 0.5
 _CRASHES = {signal_mod.SIGSEGV, signal_mod.SIGBUS, signal_mod.SIGABRT, signal_mod.SIGFPE,
             signal_mod.SIGILL}
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+# c10's dump: "SIGSEGV(11), PID: 7, Thread 7: " then "frame #3: sym + 0x1f (0x7f.. in /lib/x.so)"
+_NATIVE_HEAD = re.compile(r"^SIG[A-Z]+\(\d+\), PID: \d+, Thread \d+:")
+_NATIVE_FRAME = re.compile(r"^\s*frame #\d+: (?P<sym>.+?) \+ (?P<off>0x[0-9a-f]+) "
+                           r"\(0x[0-9a-f]+ in (?P<lib>[^)]+)\)")
+NATIVE_IN_HINT = 3  # innermost native frames named in the one-line hint
 _EXC = re.compile(r"^(?P<name>[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning))(:\s?(?P<msg>.*))?$")
 _OOM_NAMES = ("MemoryError", "OutOfMemoryError")
 # what NCCL/RCCL's watchdog and gloo write when a collective times out
@@ -74,6 +85,11 @@ def explain(code: int | None, log_tail: Sequence[str], *, last_rss: float | None
     return ""
 
 
+def is_crash(code: int) -> bool:
+    """Did an exit status ``code`` (negative: a signal) come from a crash?"""
+    return code < 0 and -code in {int(s) for s in _CRASHES}
+
+
 def crash_hint(sig: int, log_tail: Sequence[str]) -> str:
     """From faulthandler's dump: what crashed, where, called from where."""
     fatal = ""
@@ -82,14 +98,68 @@ def crash_hint(sig: int, log_tail: Sequence[str]) -> str:
             fatal = line.split(":", 1)[1].strip()
     frames = _current_thread(log_tail)
     what = fatal or signal_mod.Signals(sig).name
+    native = _native_frames(log_tail)
+    where = "; native: " + " <- ".join(native[:NATIVE_IN_HINT]) if native else ""
     if not frames:
+        if native:
+            return f"{what}{where}"
         return f"{what} (no Python stack in its log)" if fatal else ""
     inner = frames[0]
     user = next((f for f in frames if _is_user(f[0])), None)
     text = f"{what} in {inner[2]} ({_short(inner[0])} line {inner[1]})"
     if user is not None and user is not inner:
         text += f", called from {_at(user)}"
-    return text
+    return text + where
+
+
+def crash_stack(log_tail: Sequence[str]) -> list[str]:
+    """The crashing thread's stack from a crashed rank's log, outermost
+    call last like faulthandler's: its Python frames, then its native ones
+    (c10's dump), each line ready to print; [] when the log has neither."""
+    out: list[str] = []
+    frames = _current_thread(log_tail)
+    if frames:
+        out.append("Python (most recent call first):")
+        out.extend(f"  {_at(f)}" for f in frames)
+    native = _native_frames(log_tail)
+    if native:
+        out.append("native (most recent call first):")
+        out.extend(f"  {f}" for f in native)
+    return out
+
+
+def _native_frames(lines: Sequence[str]) -> list[str]:
+    """The crashing thread's native frames, innermost first, without the
+    signal handlers' own: c10 dumps every thread, and only the crashing one
+    went through ``fatalSignalHandler`` (the others through
+    ``stacktraceSignalHandler`` alone). The frame after the handler is the
+    kernel's signal trampoline; the crash is the one after that."""
+    blocks: list[list[str]] = []
+    current: list[str] | None = None
+    for line in lines:
+        text = line.strip()
+        if _NATIVE_HEAD.match(text):
+            current = []
+            blocks.append(current)
+        elif not text:
+            current = None  # c10 ends each thread's dump with a blank line
+        elif current is not None:
+            current.append(text)
+    crashing = next((b for b in blocks if any("fatalSignalHandler(" in f for f in b)), None)
+    if crashing is None:
+        return []
+    at = max(i for i, f in enumerate(crashing) if "fatalSignalHandler(" in f)
+    out: list[str] = []
+    for raw in crashing[at + 2:]:
+        if raw == "<omitting python frames>":
+            out.append("(Python frames)")
+            continue
+        m = _NATIVE_FRAME.match(raw)
+        if m is None:
+            continue
+        lib = m["lib"].rsplit("/", 1)[-1]
+        out.append(f"{lib}+{m['off']}" if m["sym"] == "<unknown function>" else f"{m['sym']} ({lib})")
+    return out
 
 
 def _current_thread(lines: Sequence[str]) -> list[tuple[str, int, str]]:
@@ -186,6 +256,6 @@ def _at(frame: tuple[str, int, str]) -> str:
     return at if func == "<module>" else f"{func} ({at})"
 
 
-__all__ = ["explain", "crash_hint", "oom_hint", "exception_hint", "timeout_hint",
+__all__ = ["explain", "crash_hint", "crash_stack", "is_crash", "oom_hint", "exception_hint", "timeout_hint",
            "HIGH_RSS_FRACTION",
            "NEAR_LIMIT_FRACTION"]

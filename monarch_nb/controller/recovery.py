@@ -113,7 +113,8 @@ class Recovery:
         return RankDied(info.rank, info.exitcode if (info.exitcode or 0) >= 0 else None,
                         signal_name(info.exitcode), tuple(self.supervisor.tail(info.rank, 8)),
                         info.incarnation, info.silent_for, info.frozen,
-                        self.supervisor.death_hint(info.rank, info.health))
+                        self.supervisor.death_hint(info.rank, info.health),
+                        self.supervisor.crash_stack(info.rank))
 
     # -- events -------------------------------------------------------------------
     def on_exit(self, rank: int, proc: RankProcess | None = None) -> None:
@@ -146,7 +147,7 @@ class Recovery:
         if info.silent_for is not None:
             cause = "missed heartbeats"
         actions = self.policy.handle(Died(rank, time.monotonic(), cause, info.incarnation))
-        self._announce(f"monarch_nb: {str(died).splitlines()[0]}")
+        self._announce(f"monarch_nb: {died.headline}")
         self.apply(actions)  # first: a GiveUp ends the calls with its own reason
         self.calls.fail(rank, died, coming_back=self.policy.coming_back(rank))
         self.keep_spare(time.monotonic())  # a backoff started: use the wait

@@ -244,7 +244,7 @@ class Supervisor:
             with open(path, "rb") as f:
                 f.seek(0, os.SEEK_END)
                 size = f.tell()
-                f.seek(max(0, size - 64 * 1024))
+                f.seek(max(0, size - max(64 * 1024, 256 * lines)))
                 data = f.read().decode("utf-8", "replace")
         except OSError:
             return []
@@ -262,11 +262,25 @@ class Supervisor:
             total: float | None = psutil.virtual_memory().total
         except Exception:
             total = None
-        return deathcause.explain(code, self.tail(rank, 300), sent=proc.sent,
+        return deathcause.explain(code, self._death_tail(rank, code), sent=proc.sent,
                                   last_rss=rss if isinstance(rss, (int, float)) else None,
                                   mem_total=None if self.launcher.remote else total,
                                   mem_limit=limit if isinstance(limit, (int, float)) else None,
                                   mem_used=used if isinstance(used, (int, float)) else None)
+
+    def crash_stack(self, rank: int) -> tuple[str, ...]:
+        """The crashing thread's Python and native stack when ``rank``'s
+        current process died of a crash signal; () otherwise."""
+        proc = self.procs.get(rank)
+        code = None if proc is None else proc.popen.poll()
+        if code is None or not deathcause.is_crash(code):
+            return ()
+        return tuple(deathcause.crash_stack(self._death_tail(rank, code)))
+
+    def _death_tail(self, rank: int, code: int | None) -> list[str]:
+        # a crash's dump starts with every thread's native stack, the
+        # crashing thread's among the first: read far enough back for it
+        return self.tail(rank, 2000 if code is not None and deathcause.is_crash(code) else 300)
 
     def logs(self, rank: int, lines: int = 100) -> list[str]:
         """The last ``lines`` lines ``rank`` wrote across all its incarnations,

@@ -42,7 +42,7 @@ from typing import Any
 import zmq
 
 from .. import config
-from ..backends import JoinAborted, JoinFailed, init_group, leave_group
+from ..backends import JoinAborted, JoinFailed, init_group, leave_group, native_crash_stacks
 from ..config import RankEnv
 from ..errors import is_peer_loss
 from ..wire import chunks, gpuipc, serialize, shm
@@ -138,6 +138,7 @@ class Worker:
         # a crash (SIGSEGV, SIGABRT...) dumps every thread's Python stack into
         # the rank's log, where the controller quotes it (controller/deathcause.py)
         faulthandler.enable(2, all_threads=True)  # fd 2: the rank's log
+        native_crash_stacks()  # and every thread's native stack before it (backends.py)
         self._sigint = self._on_sigint  # one bound method, compared after each call
         signal.signal(signal.SIGINT, self._sigint)
         threading.Thread(target=self._control_thread, name=debug.CONTROL_THREAD, daemon=True).start()
