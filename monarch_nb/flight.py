@@ -17,6 +17,13 @@ A record is one torch.distributed call on one rank::
 Times are the rank's wall clock (``time.time()``), ``t1`` is None while in
 flight.
 
+Torch's own flight recorder (``TORCH_FR_BUFFER_SIZE``, which ranks turn on)
+sees the collectives the wrappers cannot: those DDP, FSDP and other C++
+callers make on the process group directly. :func:`from_torch` turns one of
+its entries into a record with ``file`` :data:`INSIDE_TORCH` and torch's
+own sequence number (per process group, from 1, counting every collective
+of the group, the wrappers' included).
+
 Non-goals: recording (engine/flightrec.py), cross-rank analysis
 (controller/collectives.py). Pure: no torch, no sockets.
 """
@@ -32,6 +39,7 @@ RING_SIZE = 2000  # records each rank keeps (the newest)
 IN_FLIGHT, DONE, FAILED, ISSUED = "in flight", "done", "failed", "issued"
 P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
 DEFAULT_GROUP = "0"  # torch's name of the default (WORLD) group
+INSIDE_TORCH = "<inside torch>"  # the ``file`` of a record from torch's own recorder
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,8 @@ class OpRecord:
         """``<mnb-cell-7> line 12`` (in a function: ``f (<mnb-cell-7> line 12)``)."""
         if not self.file:
             return "an unknown place"
+        if self.file == INSIDE_TORCH:
+            return "inside torch: DDP, FSDP or another C++ caller"
         at = f"{self.file} line {self.line}"
         return at if self.func in ("", "<module>") else f"{self.func} ({at})"
 
@@ -92,6 +102,67 @@ def encode(rec: OpRecord) -> list[Any]:
 
 def decode(row: list[Any]) -> OpRecord:
     return OpRecord(**dict(zip(_FIELDS, row, strict=True)))
+
+
+# torch's scalar type names (c10's) -> the dtype names records use
+_TORCH_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16",
+                 "BFloat16": "bfloat16", "Long": "int64", "Int": "int32", "Short": "int16",
+                 "Char": "int8", "Byte": "uint8", "Bool": "bool", "ComplexFloat": "complex64",
+                 "ComplexDouble": "complex128", "Float8_e4m3fn": "float8_e4m3fn",
+                 "Float8_e5m2": "float8_e5m2"}
+
+
+def from_torch(entry: dict[str, Any], generation: int = 0) -> OpRecord | None:
+    """One entry of torch's flight recorder dump (``_dump_fr_trace_json``)
+    as a record; None for what is not a collective (p2p entries carry no
+    peer) or not well formed. Torch does not time a gloo op's end: a
+    retired entry is ``done`` with ``t1 = t0``, else ``in flight``."""
+    try:
+        if entry.get("is_p2p"):
+            return None
+        name = str(entry["profiling_name"])
+        op = name.split(":", 1)[-1]
+        group = str(entry["process_group"][0])
+        seq = int(entry["collective_seq_id"])
+        t0 = int(entry["time_created_ns"]) / 1e9
+        done = bool(entry.get("retired"))
+        dtypes = [_TORCH_DTYPES.get(str(d), str(d).lower()) for d in entry.get("input_dtypes") or []]
+        sizes = [[int(x) for x in s] for s in entry.get("input_sizes") or []]
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None
+    if not op:
+        return None
+    shapes = [f"{d}[{','.join(map(str, s))}]" for d, s in zip(dtypes, sizes, strict=False)]
+    if not shapes:
+        tensors = ""
+    elif len(set(shapes)) == 1:
+        tensors = shapes[0] if len(shapes) == 1 else f"{shapes[0]} x{len(shapes)}"
+    else:
+        tensors = ", ".join(shapes)
+    return OpRecord(op=op, group=group, seq=seq, tensors=tensors, file=INSIDE_TORCH, t0=t0,
+                    t1=t0 if done else None, state=DONE if done else IN_FLIGHT,
+                    generation=generation)
+
+
+def current_torch_entries(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The entries of the live process groups. Torch's ring outlives a
+    re-formation: the new default group keeps its name ("0") under a new,
+    larger ``pg_id`` and counts from 1 again, and the old groups' entries
+    stay, an op aborted by the re-formation unretired for ever. So only the
+    newest group of each name counts, and none older than the newest
+    default group (every group of a generation is made after its default
+    group)."""
+    newest: dict[str, int] = {}
+    rows: list[tuple[str, int, dict[str, Any]]] = []
+    for e in entries:
+        try:
+            name, pg = str(e["process_group"][0]), int(e["pg_id"])
+        except (KeyError, TypeError, ValueError, IndexError):
+            continue
+        newest[name] = max(newest.get(name, pg), pg)
+        rows.append((name, pg, e))
+    floor = newest.get(DEFAULT_GROUP, min(newest.values(), default=0))
+    return [e for name, pg, e in rows if pg == newest[name] and pg >= floor]
 
 
 def group_label(group: str) -> str:
@@ -132,5 +203,5 @@ def mismatch_text(heading: str, group: str, records: dict[int, OpRecord | None],
     return f"{heading}{where}: " + "; ".join(parts)
 
 
-__all__ = ["OpRecord", "encode", "decode", "mismatch_text", "group_label", "label",
+__all__ = ["OpRecord", "encode", "decode", "from_torch", "current_torch_entries", "INSIDE_TORCH", "mismatch_text", "group_label", "label",
            "IN_FLIGHT", "DONE", "FAILED", "ISSUED", "P2P_OPS", "DEFAULT_GROUP"]

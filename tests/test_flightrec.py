@@ -250,6 +250,91 @@ def test_subgroups_are_compared_among_their_members() -> None:
     assert report.findings[0].group == "1"
 
 
+# -- torch's own recorder (DDP's and FSDP's collectives) ---------------------------------
+def fr_entry(seq: int, name: str = "gloo:all_reduce", retired: bool = True, pg: int = 0,
+             group: str = "0", sizes: Any = ((20,),), dtypes: Any = ("Float",)) -> dict[str, Any]:
+    """One entry as torch's _dump_fr_trace_json writes it."""
+    return {"collective_seq_id": seq, "profiling_name": name, "process_group": [group, "default_pg"],
+            "pg_id": pg, "input_sizes": [list(x) for x in sizes], "input_dtypes": list(dtypes),
+            "is_p2p": False, "retired": retired, "state": "scheduled",
+            "time_created_ns": 1_000_000_000 * (100 + seq)}
+
+
+def test_torch_entries_become_records() -> None:
+    r = flight.from_torch(fr_entry(6, "gloo:broadcast", retired=False, dtypes=("Int",),
+                                   sizes=((3,),)), generation=2)
+    assert r == OpRecord("broadcast", "0", 6, "int32[3]", file=flight.INSIDE_TORCH, t0=106.0,
+                         t1=None, state="in flight", generation=2)
+    assert r.where() == "inside torch: DDP, FSDP or another C++ caller"
+    done = flight.from_torch(fr_entry(7, "nccl:all_reduce", sizes=((4, 2), (4, 2)),
+                                      dtypes=("Float", "Float")))
+    assert done is not None and (done.op, done.tensors, done.state, done.t1) == (
+        "all_reduce", "float32[4,2] x2", "done", 107.0)
+    mixed = flight.from_torch(fr_entry(8, sizes=((2,), (3,)), dtypes=("BFloat16", "Long")))
+    assert mixed is not None and mixed.tensors == "bfloat16[2], int64[3]"
+    assert flight.from_torch({**fr_entry(9), "is_p2p": True}) is None
+    assert flight.from_torch({"profiling_name": "gloo:x"}) is None  # malformed: dropped
+    assert flight.from_torch({**fr_entry(9), "collective_seq_id": "nine"}) is None
+
+
+def test_only_the_live_groups_torch_entries_count() -> None:
+    # generation 0's default group (pg 0, an op aborted in flight) and its
+    # subgroup (pg 1); the re-formed default group is pg 2, its subgroup pg 3
+    old = [fr_entry(1, pg=0), fr_entry(2, pg=0, retired=False), fr_entry(1, pg=1, group="1")]
+    new = [fr_entry(1, pg=2), fr_entry(1, pg=3, group="5")]
+    stale_sub = [fr_entry(2, pg=1, group="1", retired=False)]
+    kept = flight.current_torch_entries(old + stale_sub + new + [{"junk": 1}])
+    assert [(e["process_group"][0], e["pg_id"]) for e in kept] == [("0", 2), ("5", 3)]
+
+
+def test_a_hang_in_ddps_collectives_is_found_in_torchs_records() -> None:
+    # the wrappers saw the cell's own all_reduces, all agreeing; DDP's
+    # gradient all_reduce (#9 in torch's numbering) waits on ranks 0,1
+    ours = [rec("all_reduce", 0)]
+    mine = [flight.from_torch(fr_entry(s)) for s in range(1, 9)]
+    stuck = flight.from_torch(fr_entry(9, retired=False))
+    tails = {r: RankTail(r, list(ours), {"0": (0, 1, 2)},
+                         torch_ops=[x for x in [*mine, stuck] if x is not None]) for r in (0, 1)}
+    tails[2] = RankTail(2, list(ours), {"0": (0, 1, 2)},
+                        torch_ops=[x for x in mine if x is not None])
+    report = analyze(tails, {2: sleeping(2)})
+    assert report.summary() == [
+        "torch's own recorder (DDP's and FSDP's collectives too; its numbering): ranks 0,1 "
+        "wait in all_reduce #9 (inside torch: DDP, FSDP or another C++ caller); rank 2 never "
+        "entered it (its last was #8 all_reduce): it is in stuck_here (<mnb-cell-7> line 9): "
+        "time.sleep(600)"]
+    assert ("last collective per group in torch's own recorder (DDP's and FSDP's collectives "
+            "too; its numbering):\n  the default group (ranks 0-2): ranks 0,1: #9 "
+            "all_reduce(float32[20]) in flight; rank 2: #8 all_reduce(float32[20]) done"
+            ) in report.render()
+    # where the wrappers' own records already tell the story, torch's are not repeated
+    wrapped = {r: RankTail(r, [rec("all_reduce", 0, state="in flight")], {"0": (0, 1, 2)},
+                           torch_ops=[x for x in [*mine, stuck] if x is not None])
+               for r in (0, 1)}
+    wrapped[2] = RankTail(2, [], {"0": (0, 1, 2)}, torch_ops=[x for x in mine if x is not None])
+    texts = analyze(wrapped, {2: sleeping(2)}).summary()
+    assert len(texts) == 1 and texts[0].startswith("ranks 0,1 wait in all_reduce #0"), texts
+    # every rank done in torch's records too: nothing to say
+    calm = {r: RankTail(r, list(ours), {"0": (0, 1, 2)},
+                        torch_ops=[x for x in mine if x is not None]) for r in range(3)}
+    assert analyze(calm).ok and "in torch's own recorder" not in analyze(calm).render()
+
+
+def test_the_oldest_collective_waited_in_is_the_one_named() -> None:
+    # gloo's broadcast root (rank 0) waits in #8 for rank 2, which never
+    # came; rank 1 got #8 and went on to wait in #9
+    upto = [rec("all_reduce", s) for s in range(8)]
+    tails = {0: tail(0, *upto, rec("broadcast", 8, root=0, state="in flight"), world=3),
+             1: tail(1, *upto, rec("broadcast", 8, root=0), rec("broadcast", 9, root=0,
+                                                                  state="in flight"), world=3),
+             2: tail(2, *upto, world=3)}
+    report = analyze(tails, {2: sleeping(2)})
+    assert report.summary() == [
+        "rank 0 waits in broadcast #8 (<mnb-cell-7> line 12); rank 2 never entered it (its last "
+        "was #7 all_reduce): it is in stuck_here (<mnb-cell-7> line 9): time.sleep(600); "
+        "rank 1 waits in broadcast #9 (<mnb-cell-7> line 12)"]
+
+
 def test_stacks_print_the_findings_first() -> None:
     st = Stacks({0: sleeping(0)})
     st.collectives = ["ranks 1,2 wait in all_reduce #3; rank 0 never entered it"]

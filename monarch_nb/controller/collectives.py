@@ -25,6 +25,14 @@ number per group. Lined up by that number, per group:
   all_reduce #58 ...``). A synchronous collective (gloo's) cannot be done on
   one member before every member entered it, so this never fires there.
 
+Torch's own recorder: each rank also sends the tail of torch's flight
+recorder (``torch_ops``, flight.from_torch), which sees the collectives DDP,
+FSDP and other C++ callers make on the process group directly, where the
+wrappers see nothing. A group whose wrapper records show nothing wrong is
+lined up again on those, in torch's numbering, and what is found there is
+reported with that said (``torch's recorder (DDP's and FSDP's collectives
+too; its numbering): rank 0 waits in broadcast #6 ...``).
+
 Stragglers (:func:`stragglers`): per rank, the time between its collectives
 (computing) and in them (waiting), over the recent window; a rank whose
 computing time is at least ``factor`` times the median of the others' is
@@ -56,17 +64,24 @@ class RankTail:
     total: int = 0  # records ever made (the ring keeps the newest)
     now: float = 0.0
     calls: list[list[Any]] = field(default_factory=list)  # [call, name, start, end, state]
+    torch_ops: list[OpRecord] = field(default_factory=list)  # torch's own recorder's
 
     @classmethod
     def from_wire(cls, rank: int, data: Mapping[str, Any]) -> RankTail:
         return cls(rank, [decode(list(row)) for row in data.get("ops") or []],
                    {str(k): tuple(int(r) for r in v) for k, v in (data.get("groups") or {}).items()},
                    int(data.get("generation", 0)), int(data.get("total", 0)),
-                   float(data.get("now", 0.0)), [list(c) for c in data.get("calls") or []])
+                   float(data.get("now", 0.0)), [list(c) for c in data.get("calls") or []],
+                   [decode(list(row)) for row in data.get("torch_ops") or []])
 
     def collectives(self, generation: int | None = None) -> list[OpRecord]:
         gen = self.generation if generation is None else generation
         return [r for r in self.ops if not r.p2p and r.generation == gen]
+
+    def torch_view(self) -> RankTail:
+        """The same rank seen through torch's own recorder's records."""
+        return RankTail(self.rank, list(self.torch_ops), self.groups, self.generation,
+                        len(self.torch_ops), self.now)
 
 
 @dataclass(frozen=True)
@@ -127,6 +142,9 @@ class CollectiveReport(_Printed):
     groups: list[GroupProgress] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     tails: dict[int, RankTail] = field(default_factory=dict)
+    # per group, torch's own recorder's view (shown where it found something,
+    # or where the wrappers recorded nothing)
+    torch_groups: list[GroupProgress] = field(default_factory=list)
     silent: dict[int, str] = field(default_factory=dict)  # rank -> why it did not answer
 
     @property
@@ -149,9 +167,11 @@ class CollectiveReport(_Printed):
         if self.groups:
             lines.append("last collective per group:")
             lines.extend(f"  {g.line()}" for g in self.groups)
-        if not any(t.ops for t in self.tails.values()):
-            lines.append("  (no collective recorded yet; the recorder sees calls through "
-                         "torch.distributed, not DDP's or FSDP's own)")
+        if self.torch_groups:
+            lines.append(f"last collective per group in {TORCH_VIEW}:")
+            lines.extend(f"  {g.line()}" for g in self.torch_groups)
+        if not any(t.ops or t.torch_ops for t in self.tails.values()):
+            lines.append("  (no collective recorded yet)")
         return "\n".join(lines)
 
 
@@ -181,6 +201,7 @@ def analyze(tails: Mapping[int, RankTail], stacks: Mapping[int, RankStacks] | No
         report.findings.extend(_group_findings(group, ranks, per_rank, last, stacks or {},
                                                current))
     report.findings.extend(_p2p_findings(current))
+    _torch_findings(report, current, members, stacks or {})
     if silent:
         quiet = sorted(silent)
         reasons = sorted(set(silent.values()))
@@ -189,6 +210,35 @@ def analyze(tails: Mapping[int, RankTail], stacks: Mapping[int, RankStacks] | No
     order = {"mismatch": 0, "missing": 1, "diverged": 2, "waiting": 3, "p2p": 4, "silent": 5}
     report.findings.sort(key=lambda f: order.get(f.kind, 9))
     return report
+
+
+TORCH_VIEW = "torch's own recorder (DDP's and FSDP's collectives too; its numbering)"
+
+
+def _torch_findings(report: CollectiveReport, current: Mapping[int, RankTail],
+                    members: Mapping[str, tuple[int, ...]],
+                    stacks: Mapping[int, RankStacks]) -> None:
+    """Line the groups up again on torch's own records, for the groups
+    where the wrappers' records found nothing wrong: a hang or a desync in
+    collectives the wrappers cannot see (DDP's, FSDP's)."""
+    views = {r: t.torch_view() for r, t in current.items()}
+    flagged = {f.group for f in report.findings}
+    shown_ours = not any(t.ops for t in current.values())
+    for group in sorted({rec.group for t in views.values() for rec in t.collectives()},
+                        key=lambda g: (len(g), g)):
+        if group in flagged:
+            continue  # the wrappers' records already tell it, with the user's lines
+        ranks = members.get(group) or tuple(sorted(current))
+        answered = [r for r in ranks if r in views]
+        per_rank = {r: {rec.seq: rec for rec in views[r].collectives() if rec.group == group}
+                    for r in answered}
+        last = {r: (recs[max(recs)] if recs else None) for r, recs in per_rank.items()}
+        found = _group_findings(group, ranks, per_rank, last, stacks, views)
+        found = [f for f in found if f.kind != "waiting"]  # every member in it: nothing to add
+        for f in found:
+            report.findings.append(Finding(f.kind, f.group, f.seq, f"{TORCH_VIEW}: {f.text}"))
+        if found or shown_ours:
+            report.torch_groups.append(GroupProgress(group, tuple(ranks), last))
 
 
 def _group_findings(group: str, ranks: tuple[int, ...], per_rank: dict[int, dict[int, OpRecord]],
@@ -208,13 +258,15 @@ def _group_findings(group: str, ranks: tuple[int, ...], per_rank: dict[int, dict
         recs_at = {r: per_rank[r].get(first_sig) for r in per_rank}
         out.append(Finding("mismatch", group, first_sig, mismatch_text(f"#{first_sig}", group,
                                                                        recs_at)))
-    # the newest collective someone is still in
     waiting = {r: rec for r, rec in last.items() if rec is not None and rec.state == IN_FLIGHT}
     if waiting:
-        seq = max(rec.seq for rec in waiting.values())
+        # the oldest collective someone waits in: those past it wait on a
+        # later one only because it holds (gloo's broadcast root waits for
+        # every receiver; NCCL's ops queue behind it)
+        seq = min(rec.seq for rec in waiting.values())
         inside = sorted(r for r, rec in waiting.items() if rec.seq == seq)
         rec = waiting[inside[0]]
-        behind = sorted(r for r in per_rank if r not in inside
+        behind = sorted(r for r in per_rank if r not in waiting
                         and (last[r] is None or last[r].seq < seq))  # type: ignore[union-attr]
         elsewhere = sorted(r for r in waiting if r not in inside)
         head = f"{label(inside)} {'waits' if len(inside) == 1 else 'wait'} in {rec.op} #{seq}"

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import importlib
 import inspect
 import json
 import os
@@ -179,9 +180,33 @@ class Recorder:
                      for c in list(self.calls)[-n:]]
         except RuntimeError:  # appended meanwhile
             calls = []
+        generation = int(_context._state.get("generation", 0))
         return {"ops": out, "total": self.total, "groups": {k: list(v) for k, v in members.items()},
-                "generation": int(_context._state.get("generation", 0)), "now": time.time(),
-                "calls": calls}
+                "generation": generation, "now": time.time(), "calls": calls,
+                "torch_ops": torch_tail(n, generation)}
+
+
+def torch_tail(n: int, generation: int) -> list[list[Any]]:
+    """The newest ``n`` collectives of torch's own flight recorder, as
+    encoded records (flight.from_torch); [] where it is off or this torch
+    has none. Called by the control thread, also while the main thread is
+    inside a collective: the dump takes only the recorder's own lock."""
+    if n <= 0 or not os.environ.get(TORCH_FR_ENV):
+        return []
+    try:  # private torch API: absent in some versions
+        dump = getattr(importlib.import_module("torch._C._distributed_c10d"),
+                       "_dump_fr_trace_json", None)
+    except ImportError:
+        return []
+    if dump is None:
+        return []
+    try:
+        doc = json.loads(dump(True, False))
+        entries = flight.current_torch_entries(list(doc.get("entries") or []))
+    except Exception:  # no process group yet, or a dump this code cannot read
+        return []
+    records = (flight.from_torch(e, generation) for e in entries)
+    return [flight.encode(r) for r in records if r is not None][-n:]
 
 
 def _finish(row: list[Any], offset: float) -> flight.OpRecord:
@@ -295,6 +320,19 @@ def _wrap(name: str, fn: Callable[..., Any], rec: Recorder) -> Callable[..., Any
 
     wrapper._mnb_flightrec = True  # type: ignore[attr-defined]
     return wrapper
+
+
+TORCH_FR_ENV = "TORCH_FR_BUFFER_SIZE"
+
+
+def enable_torch_recorder() -> None:
+    """Turn on torch's own flight recorder (before the process group is
+    made: torch reads the size once), which sees the collectives DDP, FSDP
+    and other C++ callers make (:meth:`Recorder.torch_tail`). Its cost on a
+    gloo all_reduce is below the noise (benchmarks/flightrec.py). A size
+    the user set is kept; ``MONARCH_NB_FLIGHTREC=0`` leaves it off."""
+    if os.environ.get("MONARCH_NB_FLIGHTREC", "1") != "0":
+        os.environ.setdefault(TORCH_FR_ENV, str(RING_SIZE))
 
 
 def install(recorder: Recorder = RECORDER) -> list[str]:

@@ -142,6 +142,7 @@ class Worker:
         self._sigint = self._on_sigint  # one bound method, compared after each call
         signal.signal(signal.SIGINT, self._sigint)
         threading.Thread(target=self._control_thread, name=debug.CONTROL_THREAD, daemon=True).start()
+        flightrec.enable_torch_recorder()  # before the group: torch reads it once
         try:
             device = init_group(env.backend, env.rank, env.world_size, env.master_addr,
                                 env.master_port)
