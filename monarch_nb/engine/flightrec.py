@@ -15,8 +15,9 @@ What it cannot see: calls that do not go through the ``torch.distributed``
 namespace. DDP and FSDP call the C++ process group directly, and
 ``from torch.distributed import all_reduce`` done *before* the rank started
 keeps the unwrapped function (cells and scripts run after, so they get the
-wrapper). Collectives those make do not appear here; the stacks still show
-where a rank waits.
+wrapper). For those, :func:`enable_torch_recorder` turns on torch's own
+flight recorder before the group is made, and :func:`torch_tail` sends its
+records beside the ring's (no Python caller, torch's sequence numbers).
 
 Cost: one wrapper call, two clock reads, a frame walk that stops at the
 first frame (the caller's, in the usual case) and one deque append; no
