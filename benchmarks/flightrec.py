@@ -14,7 +14,11 @@ depend on the number of ranks: it is Python work on the calling rank):
    per parameter for the gradients, SGD), with and without;
 4. strict mode (``check_collectives=True``) on that all_reduce: the store
    round trip each collective adds (with one rank the exchange is with
-   itself, through the TCP store: the floor of what it costs).
+   itself, through the TCP store: the floor of what it costs);
+5. torch's own flight recorder (``TORCH_FR_BUFFER_SIZE``, which ranks turn
+   on to see DDP's and FSDP's collectives) on that all_reduce: torch reads
+   the size once per process, so each side runs in child processes,
+   alternating, the best kept.
 
 Each figure is the best round's mean time per call; "added" is with minus
 without. On a loaded 2-core VM gloo's own time moves by tens of µs from
@@ -63,11 +67,41 @@ def compare(plain: Callable[[], None], recorded: Callable[[], None], n: int,
     return min(a), min(b)
 
 
+def torch_recorder_child(n: int, rounds: int, port: int) -> None:
+    """Print the best round's µs per all_reduce in this process."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    x = torch.ones(8)
+    per_call(lambda: dist.all_reduce(x), n)
+    print(min(per_call(lambda: dist.all_reduce(x), n) for _ in range(rounds)))
+    dist.destroy_process_group()
+
+
+def torch_recorder_row(n: int, rounds: int) -> tuple[float, float]:
+    import subprocess
+
+    best = {"off": float("inf"), "on": float("inf")}
+    for i in range(3):
+        for side in ("off", "on"):
+            env = {k: v for k, v in os.environ.items() if k != flightrec.TORCH_FR_ENV}
+            if side == "on":
+                env[flightrec.TORCH_FR_ENV] = str(flightrec.RING_SIZE)
+            out = subprocess.run([sys.executable, __file__, "--torch-fr-child", str(n),
+                                  str(rounds), str(29600 + 2 * i + (side == "on"))],
+                                 env=env, capture_output=True, text=True, check=True)
+            best[side] = min(best[side], float(out.stdout.strip().splitlines()[-1]))
+    return best["off"], best["on"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--torch-fr-child", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.torch_fr_child:
+        torch_recorder_child(*args.torch_fr_child)
+        return
     # many short rounds: gloo's own time drifts within a long one
     n, rounds = (300, 10) if args.quick else (500, 40)
 
@@ -122,12 +156,14 @@ def main() -> None:
                           max(3, rounds // 4))))
     flightrec.end_check(True, strict)
     dist.destroy_process_group()
+    rows.append(("all_reduce float32[8], torch's own recorder (µs/call)",
+                 *torch_recorder_row(n * 2, rounds)))
 
     print(f"collective flight recorder cost ({'quick' if args.quick else 'full'} run, "
           f"{rounds} rounds, torch {torch.__version__}, {os.cpu_count()} CPUs)")
-    print(f"{'measure':<48} {'without':>10} {'with':>10} {'added':>9}")
+    print(f"{'measure':<54} {'without':>10} {'with':>10} {'added':>9}")
     for name, without, with_ in rows:
-        print(f"{name:<48} {without:>10.2f} {with_:>10.2f} {with_ - without:>+9.2f}")
+        print(f"{name:<54} {without:>10.2f} {with_:>10.2f} {with_ - without:>+9.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(
             [{"measure": m, "without_us": a, "with_us": b} for m, a, b in rows], indent=1))
