@@ -8,6 +8,9 @@ One rank per visible GPU (at most 8), then, each within the 8-minute budget:
   power) come from nvidia-ml-py / amdsmi, not n/a;
 * a GPU rank killed (SIGKILL) comes back on its device and the group works;
 * a DDP step: gradients averaged, the replicas stay equal;
+* the flight recorder on NCCL/RCCL: the wrappers' records of the
+  all_reduce and broadcast above, and torch's own recorder's records of
+  DDP's collectives, read back through ``mesh.collectives()``;
 * moving a 256 MiB CUDA tensor controller -> ranks (push) and back (pull),
   first by the host (the default: copied to the host, arriving on the CPU),
   then on a second mesh with ``gpu_ipc=True`` (by CUDA IPC handle, arriving
@@ -386,7 +389,19 @@ def main() -> int:
         checks.check("nccl all_reduce+broadcast", collectives)
         checks.check("health figures", health)
         checks.check("kill a GPU rank, back", kill_and_back)
+        def recorder() -> str:
+            report = mesh.collectives()
+            _expect(report.ok, f"findings on a healthy mesh: {report.summary()}")
+            ops = {rec.op for t in report.tails.values() for rec in t.ops}
+            _expect({"all_reduce", "broadcast"} <= ops, f"wrapped ops recorded: {sorted(ops)}")
+            torch_ops = [rec for t in report.tails.values() for rec in t.torch_ops]
+            _expect(bool(torch_ops), "torch's own recorder gave no record (DDP's collectives)")
+            devices = {rec.device for t in report.tails.values() for rec in t.ops if rec.device}
+            return (f"{sum(len(t.ops) for t in report.tails.values())} wrapped on {sorted(devices)}, "
+                    f"{len(torch_ops)} from torch's recorder, e.g. {torch_ops[-1].describe()}")
+
         checks.check("DDP step", ddp)
+        checks.check("flight recorder (nccl)", recorder)
         transfer(checks, mesh, n, ipc=False)
     finally:
         mesh.stop()
