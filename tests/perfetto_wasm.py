@@ -193,15 +193,24 @@ def trace_processor(path: str) -> Iterator[Any]:
 
 
 def _request(backend: Any, fill: Any) -> Any:
-    """One RPC request, its one reply (checked for an error envelope)."""
+    """One RPC request, its one reply (checked for an error envelope).
+    Replies come in the order of the requests; one to another method (a
+    status request repeated while the engine started) is passed over."""
     protos = backend.protos
     stream = protos.TraceProcessorRpcStream()
-    fill(stream.msg.add(), protos)
+    msg = stream.msg.add()
+    fill(msg, protos)
     backend.transport.send(stream.SerializeToString())
-    reply = protos.TraceProcessorRpc()
-    reply.MergeFromString(backend._read_payload())
-    backend._check_envelope(reply)
-    return reply
+    return _reply(backend, msg.request)
+
+
+def _reply(backend: Any, method: int) -> Any:
+    while True:
+        reply = backend.protos.TraceProcessorRpc()
+        reply.MergeFromString(backend._read_payload())
+        backend._check_envelope(reply)
+        if reply.response == method:
+            return reply
 
 
 def _wait_ready(backend: Any, page: Any) -> None:
@@ -223,13 +232,13 @@ def _wait_ready(backend: Any, page: Any) -> None:
                 raise ConnectionError(
                     f"Perfetto's wasm engine did not start in {READY_TIMEOUT_S:.0f} s: "
                     f"{page.evaluate('tp.errors')}") from None
-    reply = protos.TraceProcessorRpc()
-    reply.MergeFromString(backend._read_payload())
-    backend._check_envelope(reply)
+    _reply(backend, protos.TraceProcessorRpc.TPM_GET_STATUS)
 
 
 def _load(backend: Any, data: bytes) -> None:
-    """The trace in, then parsed to the end (what the shell does for a file)."""
+    """The trace in, then parsed to the end (what the shell does for a file).
+    The status replies still on their way are passed over here, before any
+    query: the package's client reads whatever comes next as its result."""
     for at in range(0, len(data), CHUNK):
         piece = data[at:at + CHUNK]
 

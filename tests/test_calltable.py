@@ -223,6 +223,9 @@ class _Supervisor:
     def death_hint(self, rank: int, health: dict[str, Any]) -> str:
         return ""
 
+    def crash_stack(self, rank: int) -> tuple[str, ...]:
+        return ()
+
     def start_spare(self) -> None:
         pass
 
