@@ -375,6 +375,26 @@ def test_a_rank_three_times_slower_is_a_straggler(mesh: Mesh) -> None:
     assert board.feed.flight["findings"] == []
 
 
+DDP_SLOW = """\
+import time, torch, monarch_nb as mnb
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 4))
+for step in range(25):
+    time.sleep(0.06 if mnb.rank() == 2 else 0.02)   # rank 2: 3x the work
+    model(torch.ones(8, 16)).sum().backward()
+"""
+
+
+def test_a_slow_rank_in_a_ddp_loop_is_a_straggler(mesh: Mesh) -> None:
+    # DDP's gradient all_reduces come from C++: only torch's own recorder
+    # has them, with no end times on gloo; the arrivals tell who is slow
+    mesh.exec(DDP_SLOW, name="<mnb-cell-31>", timeout=90)
+    report = mesh.stragglers()
+    assert report.slow == [2], report
+    assert report.ranks[2].ratio > 2.0, report
+    assert report.ranks[0].wait_share > 0.5 > report.ranks[2].wait_share, report
+    assert "in torch's own recorder" in report.window
+
+
 def test_trace_has_calls_collectives_and_steps(mesh: Mesh, tmp_path: Path) -> None:
     path = mesh.trace(str(tmp_path / "mesh.json"))
     doc = json.loads(Path(path).read_text())

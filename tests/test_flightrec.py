@@ -371,6 +371,33 @@ def test_a_rank_three_times_slower_is_flagged() -> None:
     assert "the last 5 steps" in windowed.window and windowed.slow == [1]
 
 
+def test_a_straggler_in_ddps_collectives_is_found_by_arrival() -> None:
+    # torch's own records only (the wrappers saw nothing): no end times
+    # (gloo), so each collective ends when its last member arrives
+    def arrivals(rank: int, compute: float) -> RankTail:
+        recs = [OpRecord("all_reduce", "0", s, "float32[20]", file=flight.INSIDE_TORCH,
+                         t0=s * 0.09 + compute, t1=s * 0.09 + compute) for s in range(1, 26)]
+        return RankTail(rank, [], {"0": (0, 1, 2, 3)}, torch_ops=recs)
+
+    tails = {0: arrivals(0, 0.03), 1: arrivals(1, 0.09), 2: arrivals(2, 0.03), 3: arrivals(3, 0.03)}
+    report = stragglers(tails)
+    assert report.slow == [1]
+    assert report.ranks[0].wait_s > 5 * report.ranks[1].wait_s
+    assert report.window.endswith("in torch's own recorder (DDP's and FSDP's collectives too; "
+                                  "its numbering)")
+    even = {r: arrivals(r, 0.05 + 0.002 * r) for r in range(4)}
+    assert stragglers(even).slow == [] and stragglers(even).ranks
+    # the wrappers' records, where there are some, come first
+    mixed = {r: RankTail(r, paced(r, 0.09 if r == 2 else 0.03).ops, {"0": (0, 1, 2, 3)},
+                         torch_ops=tails[r].torch_ops) for r in range(4)}
+    assert stragglers(mixed).slow == [2]
+    # ... unless the ranks trained through DDP since: torch's records are newer
+    later = {r: RankTail(r, t.ops, t.groups, torch_ops=[
+        OpRecord(x.op, x.group, x.seq, x.tensors, file=x.file, t0=x.t0 + 5, t1=x.t0 + 5)
+        for x in tails[r].torch_ops]) for r, t in mixed.items()}
+    assert stragglers(later).slow == [1]
+
+
 def test_even_ranks_are_not_flagged_and_no_data_says_so() -> None:
     tails = {r: paced(r, 0.05 + 0.005 * r) for r in range(4)}
     assert stragglers(tails).slow == []

@@ -350,6 +350,9 @@ def _p2p_findings(tails: Mapping[int, RankTail]) -> list[Finding]:
 
 STRAGGLER_FACTOR = 1.5
 WINDOW_STEPS = 20
+# torch's records are taken over the wrappers' when their window ends this
+# much later (the same collective is in both, torch's a few µs later)
+NEWER_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -407,7 +410,27 @@ def stragglers(tails: Mapping[int, RankTail], steps_per_s: Mapping[int, float | 
     steps per second say how long that is), else the last ``window_steps``
     collectives of the group most used. A collective that is still in
     flight is left out (its wait has not ended)."""
-    steps_per_s = steps_per_s or {}
+    ours, ours_end = _stragglers(tails, steps_per_s or {}, window_steps, factor, group)
+    # torch's own records hold DDP's and FSDP's collectives too (and the
+    # wrapped ones): used when they are the more recent, i.e. the ranks
+    # have been training through DDP since their last wrapped collective
+    torch_tails = {r: t.torch_view() for r, t in tails.items()}
+    theirs, theirs_end = _stragglers(torch_tails, steps_per_s or {}, window_steps, factor,
+                                     group, by_arrival=True)
+    if theirs.ranks and (not ours.ranks or theirs_end > ours_end + NEWER_S):
+        return theirs
+    return ours
+
+
+def _stragglers(tails: Mapping[int, RankTail], steps_per_s: Mapping[int, float | None],
+                window_steps: int, factor: float, group: str | None,
+                by_arrival: bool = False) -> tuple[StragglerReport, float]:
+    """``by_arrival``: the records' end times are unknown (torch's own
+    recorder does not time a gloo op's end), so a collective is taken to
+    end when its last member arrives: a member waits from its own arrival
+    to the last one's, and computes from there to its next arrival. The
+    slow rank is the one the others wait for, as with measured ends.
+    Returns the report and the time its window ends (0 when empty)."""
     generation = max((t.generation for t in tails.values()), default=0)
     series = {r: [rec for rec in t.collectives(generation) if rec.t1 is not None]
               for r, t in tails.items() if t.generation == generation}
@@ -418,15 +441,15 @@ def stragglers(tails: Mapping[int, RankTail], steps_per_s: Mapping[int, float | 
                 counts[rec.group] = counts.get(rec.group, 0) + 1
         group = max(counts, key=lambda g: counts[g]) if counts else None
     if group is None:
-        return StragglerReport(factor=factor)
+        return StragglerReport(factor=factor), 0.0
     series = {r: [rec for rec in recs if rec.group == group] for r, recs in series.items()}
     series = {r: recs for r, recs in series.items() if len(recs) >= 2}
     if not series:
-        return StragglerReport(factor=factor)
+        return StragglerReport(factor=factor), 0.0
     # the same collectives on every rank: the newest numbers all have
     common = set.intersection(*({rec.seq for rec in recs} for recs in series.values()))
     if len(common) < 2:
-        return StragglerReport(factor=factor)
+        return StragglerReport(factor=factor), 0.0
     rates = [v for v in steps_per_s.values() if v]
     span_s = window_steps / statistics.median(rates) if rates else None
     newest = max(common)
@@ -441,15 +464,24 @@ def stragglers(tails: Mapping[int, RankTail], steps_per_s: Mapping[int, float | 
     seqs = sorted(common)[-max(2, n_window + 1):]
     compute: dict[int, float] = {}
     wait: dict[int, float] = {}
-    for r, recs in series.items():
-        by_seq = {rec.seq: rec for rec in recs}
+    by_seq = {r: {rec.seq: rec for rec in recs} for r, recs in series.items()}
+    # by arrival: each collective ends when its last member arrives
+    last_in = {seq: max(by_seq[r][seq].t0 for r in series) for seq in seqs}
+    for r in series:
+        mine = by_seq[r]
         c = w = 0.0
         for prev, seq in itertools.pairwise(seqs):
-            a, b = by_seq[prev], by_seq[seq]
-            assert a.t1 is not None and b.t1 is not None
-            c += max(0.0, b.t0 - a.t1)
-            w += b.t1 - b.t0
+            a, b = mine[prev], mine[seq]
+            if by_arrival:
+                c += max(0.0, b.t0 - last_in[prev])
+                w += last_in[seq] - b.t0
+            else:
+                assert a.t1 is not None and b.t1 is not None
+                c += max(0.0, b.t0 - a.t1)
+                w += b.t1 - b.t0
         compute[r], wait[r] = c, w
+    if by_arrival:
+        window += f", in {TORCH_VIEW}"
     report = StragglerReport(window=window, factor=factor)
     for r in sorted(series):
         # against the others' median: with few ranks the slow one would
@@ -459,7 +491,7 @@ def stragglers(tails: Mapping[int, RankTail], steps_per_s: Mapping[int, float | 
         ratio = compute[r] / median if median > 0 else 1.0
         report.ranks[r] = RankPace(r, len(seqs) - 1, compute[r], wait[r], ratio,
                                    steps_per_s.get(r), slow=len(series) > 1 and ratio >= factor)
-    return report
+    return report, max(last_in.values())
 
 
 __all__ = ["RankTail", "Finding", "GroupProgress", "CollectiveReport", "analyze",

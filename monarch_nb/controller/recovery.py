@@ -14,7 +14,7 @@ queued ahead of them.
 
 Survivors release one another: a rank whose call failed because a peer
 left (or with a REFORM waiting) leaves its group at once, which fails its
-peers out of their collectives too (engine/worker.py). A member still not
+peers out of their collectives too (engine/membership.py). A member still not
 out of the old group's collective ``REFORM_GRACE_S`` after the REFORM is
 probed (its stacks) and only then replaced; an elastic call takes its state
 back from a peer, so nothing is lost.

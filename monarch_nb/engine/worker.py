@@ -26,7 +26,6 @@ import ast
 import collections
 import ctypes
 import faulthandler
-import gc
 import importlib
 import json
 import linecache
@@ -42,9 +41,8 @@ from typing import Any
 import zmq
 
 from .. import config
-from ..backends import JoinAborted, JoinFailed, init_group, leave_group, native_crash_stacks
+from ..backends import init_group, native_crash_stacks
 from ..config import RankEnv
-from ..errors import is_peer_loss
 from ..wire import chunks, gpuipc, serialize, shm
 from ..wire.metricframes import encode as encode_metrics
 from ..wire.protocol import Codec, Kind, Message
@@ -53,6 +51,7 @@ from . import context as _context
 from . import debug, flightrec, metrics, pgcompat, spare
 from .capture import OutputBuffer, RankStream
 from .health import HealthProbe
+from .membership import Membership
 
 # signal.getsignal converts the handler to an enum, raising and catching a
 # ValueError when it is a function: too slow to run after every call.
@@ -62,7 +61,6 @@ _SIGINT = int(signal.SIGINT)
 HEARTBEAT_S = 0.5
 OUTPUT_FLUSH_S = 0.02
 METRICS_FLUSH_S = 0.2  # mnb.log batches while a call runs (the rest goes with the RESULT)
-SUPERSEDE_GRACE_S = 1.0  # after a failed join, how long a newer REFORM may take to arrive
 _WORKER_FILE = __file__.removesuffix("c")
 
 
@@ -96,9 +94,10 @@ class Worker:
         # Interrupts that arrived before their call started (queued behind
         # another call, or overtaking it on the other socket), and calls done.
         self.cancelled: set[int] = set()
-        # Messages read while user code waited for a re-formation (elastic):
-        # served first, in order, once the current call is over.
-        self.pending: collections.deque[Message] = collections.deque()
+        # the group across re-formations, and the messages read ahead while
+        # waiting for one (served first, in order: see serve)
+        self.members = Membership(env, self.main_sock, self.main_codec, self.dropped,
+                                  self._send_main)
         self.finished: collections.deque[int] = collections.deque(maxlen=4096)
         # Shared memory with the controller (wire/shm.py): only a rank on its
         # controller's host, which knows the controller's pid, uses it. The
@@ -127,7 +126,7 @@ class Worker:
         _context._set(
             rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
             incarnation=env.incarnation, backend=env.backend, generation=env.generation,
-            await_reform=self.await_reform,
+            await_reform=self.members.await_reform,
         )
         log = sys.stdout
         sys.stdout = RankStream("stdout", self.output, log)
@@ -159,7 +158,7 @@ class Worker:
 
     # -- main thread -----------------------------------------------------------
     def serve(self) -> None:
-        sock, codec, pending, dropped = self.main_sock, self.main_codec, self.pending, self.dropped
+        sock, codec, pending, dropped = self.main_sock, self.main_codec, self.members.pending, self.dropped
         while not self.stopping:
             try:
                 msg = pending.popleft() if pending else recv_verified(sock, codec, dropped)
@@ -172,7 +171,7 @@ class Worker:
                 self._execute(msg)
             elif msg.kind == Kind.REFORM:
                 try:
-                    self._reform(msg)
+                    self.members.reform(msg)
                 except RuntimeError:
                     pass  # reported to the controller in REFORMED
             elif msg.kind == Kind.STOP:
@@ -228,7 +227,7 @@ class Worker:
             # kept for %monarch debug, as the interactive interpreter keeps it
             sys.last_exc, sys.last_type, sys.last_value, sys.last_traceback = (  # type: ignore[attr-defined]
                 exc, type(exc), exc, exc.__traceback__)
-            self._release_peers(exc, error)
+            self.members.release_peers(exc, error)
         flightrec.call_end(ok)
         n_out, tail = self.output.finish()
         if (n_out or tail) and isinstance(sys.stdout, RankStream):
@@ -300,122 +299,6 @@ class Worker:
             self._send_main(Kind.RESULT, payload, call=call, meta=meta)
         else:  # one frame: no send_frames loop
             socket_send(self.main_sock, self.main_codec.sign(Kind.RESULT, (), call=call, meta=meta)[0])
-
-    def _release_peers(self, exc: BaseException, error: dict[str, str]) -> None:
-        """A call failed because a peer left (or with a REFORM already
-        waiting): leave the group now, not when the REFORM is served. gloo
-        then closes this rank's connections, so a peer still waiting on it
-        in a collective fails out too, instead of staying stuck until the
-        controller replaces its process (what mnb.elastic does as well).
-
-        The group is freed only when nothing refers to it any more, and the
-        failed collective's frames (kept in the traceback, and in
-        sys.last_traceback for %monarch debug) hold it in their locals: they
-        are cleared first. (Post-mortem of a collective cut short by a
-        peer's death loses those locals; the traceback text stays.)"""
-        generation = int(_context._state.get("generation", 0))
-        if is_peer_loss(f"{error['type']} {error['msg']}") or self._newer_reform(generation):
-            for link in _chain(exc):
-                traceback.clear_frames(link.__traceback__)
-            leave_group()
-            gc.collect()  # a group caught in a reference cycle goes now, not later
-
-    def await_reform(self, timeout: float = 300.0) -> int:
-        """For mnb.elastic, on the main thread inside a call: wait for the
-        controller's REFORM, join the new group, return its generation.
-        Other messages that arrive meanwhile are kept, in order.
-
-        The old group is left at once, not when the REFORM comes: gloo then
-        closes its connections, so a peer still waiting in a collective on
-        this rank fails out of it too (and re-forms) instead of staying stuck
-        until the controller replaces its process. Survivors of a ring
-        release one another like this, each in turn."""
-        leave_group()
-        deadline = time.monotonic() + timeout
-        newest = self._take_reforms()  # it may already be here
-        if newest is not None:
-            return self._reform(newest)
-        while time.monotonic() < deadline:
-            if not self.main_sock.poll(100):
-                continue
-            msg = recv_verified(self.main_sock, self.main_codec, self.dropped)
-            if msg is None:
-                continue
-            if msg.kind == Kind.REFORM:
-                return self._reform(msg)
-            self.pending.append(msg)
-        raise TimeoutError(f"no new group within {timeout:g} s after a member died")
-
-    def _reform(self, msg: Message) -> int:
-        """Leave the old torch.distributed group and join the new generation
-        (a member died and was replaced). Runs between calls, on the main
-        thread, like everything that touches torch.distributed. A member
-        that dies while the group forms makes the controller send a newer
-        REFORM: the join in progress is abandoned for that one."""
-        while True:
-            try:
-                return self._join(msg)
-            except JoinAborted:
-                newest = self._take_reforms()
-                if newest is None:  # a STOP is waiting: serve() reaches it next
-                    raise RuntimeError("the mesh is stopping") from None
-                msg = newest
-
-    def _newer_reform(self, generation: int) -> bool:
-        """Anything on the main socket is kept in order; True if a REFORM
-        newer than ``generation`` or a STOP is among it."""
-        while self.main_sock.poll(0):
-            got = recv_verified(self.main_sock, self.main_codec, self.dropped)
-            if got is not None:
-                self.pending.append(got)
-        return any(m.kind == Kind.STOP or (m.kind == Kind.REFORM and
-                                           int(m.meta.get("generation", 0)) > generation)
-                   for m in self.pending)
-
-    def _superseded(self, generation: int, grace: float = SUPERSEDE_GRACE_S) -> bool:
-        """After a failed join: does a newer REFORM (or a STOP) come? The
-        controller replaces a member that was still starting (its store host
-        included) and sends the newer REFORM in the same turn, so a join
-        broken by that sees the message within moments; a join broken by a
-        fresh death gets its REFORM only after the backoff, and fails."""
-        deadline = time.monotonic() + grace
-        while not self._newer_reform(generation):
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.main_sock.poll(max(1, int(left * 1000))):
-                return self._newer_reform(generation)
-        return True
-
-    def _take_reforms(self) -> Message | None:
-        """Remove the pending REFORMs; return the newest."""
-        reforms = [m for m in self.pending if m.kind == Kind.REFORM]
-        for m in reforms:
-            self.pending.remove(m)
-        return max(reforms, key=lambda m: int(m.meta.get("generation", 0)), default=None)
-
-    def _join(self, msg: Message) -> int:
-        generation, port = int(msg.meta["generation"]), int(msg.meta["port"])
-        # "out of the old collective, joining": the controller stops waiting
-        # for this survivor before the (slower) join completes
-        self._send_main(Kind.REFORMED, meta={"generation": generation, "joining": True})
-        error = ""
-        try:
-            leave_group()
-            os.environ["MASTER_PORT"] = str(port)
-            os.environ["MONARCH_NB_GENERATION"] = str(generation)
-            init_group(self.env.backend, self.env.rank, self.env.world_size,
-                       self.env.master_addr, port,
-                       abort=lambda: self._newer_reform(generation))
-            _context._set(generation=generation)
-        except JoinAborted:
-            raise
-        except Exception as exc:  # reported; the controller decides
-            if self._superseded(generation):
-                raise JoinAborted(f"generation {generation} was superseded") from None
-            error = f"{type(exc).__name__}: {exc}"
-        self._send_main(Kind.REFORMED, meta={"generation": generation, "error": error})
-        if error:
-            raise JoinFailed(f"could not join generation {generation}: {error}")
-        return generation
 
     def _run_cell(self, code: str, name: str) -> Any:
         if sys.argv is self._cell_argv:  # untouched by the user: name this cell
@@ -603,16 +486,6 @@ def describe_frame(frame: Any) -> str:
         parts.append(f"{fr.f_code.co_filename} line {fr.f_lineno} in {fr.f_code.co_name}"
                      + (f": {line}" if line else ""))
     return " <- ".join(parts)
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    """``exc`` and the exceptions it was raised from or during."""
-    seen: list[BaseException] = []
-    link: BaseException | None = exc
-    while link is not None and link not in seen:
-        seen.append(link)
-        link = link.__cause__ or link.__context__
-    return seen
 
 
 def main() -> None:

@@ -1,0 +1,181 @@
+"""A rank's membership of its torch.distributed group across re-formations.
+
+When a member dies and is replaced, the controller sends the survivors a
+REFORM (a new generation, a new store port). :class:`Membership` leaves the
+old group and joins the new one, on the main thread, between calls or
+inside a call that waits for it (``mnb.elastic``: :meth:`await_reform`).
+It owns the messages of the main socket read ahead meanwhile
+(:attr:`pending`), which the worker serves first, in order, once the call
+is over.
+
+A join can be overtaken: a member that dies while the group forms makes
+the controller send a newer REFORM, and the join in progress is abandoned
+for it (backends.JoinAborted). A call that failed because a peer left
+leaves the group at once (:meth:`release_peers`), so the peers still
+waiting on this rank fail out too, each in turn.
+
+Non-goals: running calls (worker.py), deciding re-formations
+(controller/recovery.py), the store and the group (backends.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import os
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from ..backends import JoinAborted, JoinFailed, init_group, leave_group
+from ..config import RankEnv
+from ..errors import is_peer_loss
+from ..wire.protocol import Codec, Kind, Message
+from ..wire.transport import recv_verified
+from . import context as _context
+
+SUPERSEDE_GRACE_S = 1.0  # after a failed join, how long a newer REFORM may take to arrive
+
+
+class Membership:
+    """Joins and leaves for one rank; reads its main socket only while it
+    waits for a REFORM (the worker reads it otherwise)."""
+
+    def __init__(self, env: RankEnv, sock: zmq.Socket[Any], codec: Codec,
+                 dropped: collections.Counter[str], send: Callable[..., None]) -> None:
+        self.env = env
+        self.sock = sock
+        self.codec = codec
+        self.dropped = dropped
+        self.send = send  # the worker's main-socket send (REFORMED)
+        self.pending: collections.deque[Message] = collections.deque()
+
+    def release_peers(self, exc: BaseException, error: dict[str, str]) -> None:
+        """A call failed because a peer left (or with a REFORM already
+        waiting): leave the group now, not when the REFORM is served. gloo
+        then closes this rank's connections, so a peer still waiting on it
+        in a collective fails out too, instead of staying stuck until the
+        controller replaces its process (what mnb.elastic does as well).
+
+        The group is freed only when nothing refers to it any more, and the
+        failed collective's frames (kept in the traceback, and in
+        sys.last_traceback for %monarch debug) hold it in their locals: they
+        are cleared first. (Post-mortem of a collective cut short by a
+        peer's death loses those locals; the traceback text stays.)"""
+        generation = int(_context._state.get("generation", 0))
+        if is_peer_loss(f"{error['type']} {error['msg']}") or self.newer_reform(generation):
+            for link in _chain(exc):
+                traceback.clear_frames(link.__traceback__)
+            leave_group()
+            gc.collect()  # a group caught in a reference cycle goes now, not later
+
+    def await_reform(self, timeout: float = 300.0) -> int:
+        """For mnb.elastic, on the main thread inside a call: wait for the
+        controller's REFORM, join the new group, return its generation.
+        Other messages that arrive meanwhile are kept, in order.
+
+        The old group is left at once, not when the REFORM comes: gloo then
+        closes its connections, so a peer still waiting in a collective on
+        this rank fails out of it too (and re-forms) instead of staying stuck
+        until the controller replaces its process. Survivors of a ring
+        release one another like this, each in turn."""
+        leave_group()
+        deadline = time.monotonic() + timeout
+        newest = self.take_reforms()  # it may already be here
+        if newest is not None:
+            return self.reform(newest)
+        while time.monotonic() < deadline:
+            if not self.sock.poll(100):
+                continue
+            msg = recv_verified(self.sock, self.codec, self.dropped)
+            if msg is None:
+                continue
+            if msg.kind == Kind.REFORM:
+                return self.reform(msg)
+            self.pending.append(msg)
+        raise TimeoutError(f"no new group within {timeout:g} s after a member died")
+
+    def reform(self, msg: Message) -> int:
+        """Leave the old torch.distributed group and join the new generation
+        (a member died and was replaced). Runs between calls, on the main
+        thread, like everything that touches torch.distributed. A member
+        that dies while the group forms makes the controller send a newer
+        REFORM: the join in progress is abandoned for that one."""
+        while True:
+            try:
+                return self.join(msg)
+            except JoinAborted:
+                newest = self.take_reforms()
+                if newest is None:  # a STOP is waiting: serve() reaches it next
+                    raise RuntimeError("the mesh is stopping") from None
+                msg = newest
+
+    def newer_reform(self, generation: int) -> bool:
+        """Anything on the main socket is kept in order; True if a REFORM
+        newer than ``generation`` or a STOP is among it."""
+        while self.sock.poll(0):
+            got = recv_verified(self.sock, self.codec, self.dropped)
+            if got is not None:
+                self.pending.append(got)
+        return any(m.kind == Kind.STOP or (m.kind == Kind.REFORM and
+                                           int(m.meta.get("generation", 0)) > generation)
+                   for m in self.pending)
+
+    def superseded(self, generation: int, grace: float = SUPERSEDE_GRACE_S) -> bool:
+        """After a failed join: does a newer REFORM (or a STOP) come? The
+        controller replaces a member that was still starting (its store host
+        included) and sends the newer REFORM in the same turn, so a join
+        broken by that sees the message within moments; a join broken by a
+        fresh death gets its REFORM only after the backoff, and fails."""
+        deadline = time.monotonic() + grace
+        while not self.newer_reform(generation):
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
+                return self.newer_reform(generation)
+        return True
+
+    def take_reforms(self) -> Message | None:
+        """Remove the pending REFORMs; return the newest."""
+        reforms = [m for m in self.pending if m.kind == Kind.REFORM]
+        for m in reforms:
+            self.pending.remove(m)
+        return max(reforms, key=lambda m: int(m.meta.get("generation", 0)), default=None)
+
+    def join(self, msg: Message) -> int:
+        generation, port = int(msg.meta["generation"]), int(msg.meta["port"])
+        # "out of the old collective, joining": the controller stops waiting
+        # for this survivor before the (slower) join completes
+        self.send(Kind.REFORMED, meta={"generation": generation, "joining": True})
+        error = ""
+        try:
+            leave_group()
+            os.environ["MASTER_PORT"] = str(port)
+            os.environ["MONARCH_NB_GENERATION"] = str(generation)
+            init_group(self.env.backend, self.env.rank, self.env.world_size,
+                       self.env.master_addr, port,
+                       abort=lambda: self.newer_reform(generation))
+            _context._set(generation=generation)
+        except JoinAborted:
+            raise
+        except Exception as exc:  # reported; the controller decides
+            if self.superseded(generation):
+                raise JoinAborted(f"generation {generation} was superseded") from None
+            error = f"{type(exc).__name__}: {exc}"
+        self.send(Kind.REFORMED, meta={"generation": generation, "error": error})
+        if error:
+            raise JoinFailed(f"could not join generation {generation}: {error}")
+        return generation
+
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or during."""
+    seen: list[BaseException] = []
+    link: BaseException | None = exc
+    while link is not None and link not in seen:
+        seen.append(link)
+        link = link.__cause__ or link.__context__
+    return seen
