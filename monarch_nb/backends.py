@@ -296,18 +296,49 @@ def _free_group(held: list[Any]) -> None:
 
 # The default gloo group's connections to its peers: (fd, (local, remote)).
 _group_links: list[tuple[int, tuple[tuple[str, int], tuple[str, int]]]] = []
+# Remote (ip, port) never taken for the group's links: the controller's.
+_kept: set[tuple[str, int]] = set()
+
+
+def keep_links_to(endpoint: str) -> None:
+    """Connections to ``endpoint`` (``tcp://host:port``: the controller's
+    ROUTER) are never counted as the group's. The group's links are the
+    connections that appear while it forms; ZeroMQ connects (and
+    reconnects) in its own thread, and a rank's link to its controller
+    that came up meanwhile was shut down with the group at the next
+    re-formation, dropping the REFORM sent to it while ZeroMQ reconnected
+    (a survivor then waited its whole reform timeout)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(endpoint)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return
+    if parts.scheme != "tcp" or not host or port is None:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return
+    for info in infos:
+        ip = str(info[4][0])
+        _kept.add((ip, port))
+        if ":" not in ip:  # as a dual-stack socket reports it
+            _kept.add((f"::ffff:{ip}", port))
 
 
 def _tcp_links(store_port: int) -> dict[int, tuple[tuple[str, int], tuple[str, int]]]:
-    """This process's established TCP connections, but the store's (fd ->
-    (local, remote) address)."""
+    """This process's established TCP connections, but the store's and the
+    controller's (fd -> (local, remote) address)."""
     import psutil
 
     links = {}
     for c in psutil.Process().net_connections(kind="tcp"):
         if c.fd < 0 or not c.raddr or c.status != psutil.CONN_ESTABLISHED:
             continue
-        if store_port in (c.laddr.port, c.raddr.port):
+        if store_port in (c.laddr.port, c.raddr.port) or (c.raddr.ip, c.raddr.port) in _kept:
             continue
         links[c.fd] = ((c.laddr.ip, c.laddr.port), (c.raddr.ip, c.raddr.port))
     return links

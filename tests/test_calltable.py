@@ -233,9 +233,11 @@ class _Supervisor:
 @dataclass
 class _IO:
     sent: list[tuple[bytes, str]] = field(default_factory=list)
+    frames: list[tuple[bytes, list[Any]]] = field(default_factory=list)
 
     def send(self, ident: bytes, frames: list[Any]) -> None:
         self.sent.append((ident, _peek_kind(frames)))
+        self.frames.append((ident, frames))
 
     def send_many(self, idents: list[bytes], frames: list[Any]) -> None:
         for ident in idents:
@@ -383,8 +385,13 @@ def test_a_stuck_survivor_is_probed_after_the_grace_and_replaced_only_if_in_a_co
     start = max(s.rec.awaiting_reform.values()) - REFORM_GRACE_S
     s.rec.tick(start + REFORM_GRACE_S / 2)
     assert s.sent_to(0, "stacks") == 0  # not before the grace
+    reforms = s.sent_to(0, "reform")
     s.rec.tick(start + REFORM_GRACE_S + 0.1)
     assert s.sent_to(0, "stacks") == 1
+    # the REFORM again, the very frames (a copy the rank has is a replay to it)
+    assert s.sent_to(0, "reform") == reforms + 1
+    copies = [f for ident, f in s.io.frames if ident == s.ranks[0].main_id and f is s.rec.reform_frames]
+    assert len(copies) == reforms + 1
     computing = [{"main": True, "frames": [["train.py", 3, "step", "x = y @ z"]]}]
     s.rec.on_probe(s.ranks[0], computing)
     assert s.events(EventKind.REPLACED) == []

@@ -98,6 +98,44 @@ def test_a_survivor_that_leaves_the_group_releases_the_ones_stuck_on_it() -> Non
         assert all(seconds < 20 for seconds in err.results.values()), err.results
 
 
+LINK_DURING_FORMATION = """
+import socket, sys, torch.distributed as dist
+from monarch_nb import backends
+listener = socket.create_server(("127.0.0.1", 0))
+port = listener.getsockname()[1]
+if sys.argv[1] == "keep":
+    backends.keep_links_to(f"tcp://127.0.0.1:{port}")
+real = dist.init_process_group
+link = []
+def forming(*args, **kwargs):  # the controller's link comes up while the group forms
+    link.append(socket.create_connection(("127.0.0.1", port)))
+    return real(*args, **kwargs)
+dist.init_process_group = forming
+backends.init_group("cpu", 0, 1, "127.0.0.1", 0)
+peer, _ = listener.accept()
+backends.leave_group()  # what a re-formation does first
+peer.sendall(b"REFORM")
+link[0].settimeout(10)
+print(link[0].recv(6) == b"REFORM")
+"""
+
+
+def test_a_link_to_the_controller_made_while_the_group_formed_survives_leaving_it() -> None:
+    # the group's links are the connections that appear while it forms, cut
+    # when it is left; ZeroMQ (re)connects to the controller in its own
+    # thread, and such a link was cut too: the REFORM sent meanwhile was lost
+    import subprocess
+    import sys
+
+    def run(mode: str) -> str:
+        out = subprocess.run([sys.executable, "-c", LINK_DURING_FORMATION, mode],
+                             capture_output=True, text=True, timeout=120)
+        return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-400:]
+
+    assert run("keep") == "True"
+    assert run("plain") != "True"  # without it the link is shut down with the group
+
+
 def test_elastic_needs_respawn() -> None:
     with Mesh.start(n=1, backend="cpu", respawn="off") as mesh:
         with pytest.raises(MonarchError, match="elastic calls need respawn"):

@@ -88,6 +88,7 @@ class Recovery:
         self.started = False  # the first start is over (later READYs are respawns)
         self.stopped = False
         self.awaiting_reform: dict[int, float] = {}  # member -> when to look where it is
+        self.reform_frames: list[Any] | None = None  # the current generation's REFORM
         self.lost: set[int] = set()  # the ranks whose new processes the last re-formation awaits
         self.requested: set[int] = set()  # restarted by the user: their return is no news
         self.settled_at = time.monotonic()  # last start, death or respawn
@@ -207,7 +208,14 @@ class Recovery:
             if now > look_at:
                 # where is it? on_probe replaces it if still in a collective
                 self.awaiting_reform[rank] = now + REFORM_GRACE_S
-                self.io.send(self.ranks[rank].ctl_id, self.codec.sign(Kind.STACKS))
+                info = self.ranks[rank]
+                if self.reform_frames is not None:
+                    # and the REFORM again, the same signed frames: a member
+                    # that got it drops this copy as a replay, one whose
+                    # copy was lost (its link to us down while it was sent)
+                    # gets it now instead of waiting out its reform timeout
+                    self.io.send(info.main_id, self.reform_frames)
+                self.io.send(info.ctl_id, self.codec.sign(Kind.STACKS))
         self.keep_spare(now)
 
     # -- calls ----------------------------------------------------------------------
@@ -295,6 +303,7 @@ class Recovery:
         self.supervisor.master_port = port
         self.supervisor.generation = action.generation
         frames = self.codec.sign(Kind.REFORM, meta={"generation": action.generation, "port": port})
+        self.reform_frames = frames  # sent again to members slow to answer (tick)
         now = time.monotonic()
         self.lost = {r for r in action.ranks if self.ranks[r].state == RankState.RESPAWNING}
         for rank in action.ranks:

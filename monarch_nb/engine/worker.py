@@ -41,7 +41,7 @@ from typing import Any
 import zmq
 
 from .. import config
-from ..backends import init_group, native_crash_stacks
+from ..backends import init_group, keep_links_to, native_crash_stacks
 from ..config import RankEnv
 from ..wire import chunks, gpuipc, serialize, shm
 from ..wire.metricframes import encode as encode_metrics
@@ -142,6 +142,7 @@ class Worker:
         signal.signal(signal.SIGINT, self._sigint)
         threading.Thread(target=self._control_thread, name=debug.CONTROL_THREAD, daemon=True).start()
         flightrec.enable_torch_recorder()  # before the group: torch reads it once
+        keep_links_to(env.controller)  # never shut down with the group (backends.py)
         try:
             device = init_group(env.backend, env.rank, env.world_size, env.master_addr,
                                 env.master_port)
