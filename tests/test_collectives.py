@@ -361,7 +361,8 @@ for step in range(22):
 
 def test_a_rank_three_times_slower_is_a_straggler(mesh: Mesh) -> None:
     board = mesh.dashboard()
-    mesh.exec(SLOW, name="<mnb-cell-30>", timeout=60)
+    # a name the automatic ones (<mnb-cell-N>, one counter per process) cannot take
+    mesh.exec(SLOW, name="<mnb-cell-slow>", timeout=60)
     report = mesh.stragglers()
     assert report.slow == [1], report
     assert report.ranks[1].ratio > 2.0
@@ -402,12 +403,12 @@ def test_trace_has_calls_collectives_and_steps(mesh: Mesh, tmp_path: Path) -> No
     assert {e["args"]["name"] for e in ev if e["name"] == "process_name"} >= {
         "rank 0", "rank 1", "rank 2", "mesh"}
     calls = [e for e in ev if e["ph"] == "X" and e.get("cat") == "call" and e["pid"] == 1]
-    assert any(c["name"] == "<mnb-cell-30>" for c in calls)
+    assert any(c["name"] == "<mnb-cell-slow>" for c in calls)
     colls = [e for e in ev if e["ph"] == "X" and e.get("cat") == "collective" and e["pid"] == 1]
     assert len(colls) >= 22 and colls[-1]["args"]["op"] == "all_reduce(float32[16])"
-    cell30 = next(c for c in calls if c["name"] == "<mnb-cell-30>")
-    inside = [c for c in colls if cell30["ts"] <= c["ts"] <= cell30["ts"] + cell30["dur"]]
-    assert len(inside) == 22 and inside[0]["args"]["from"] == "<mnb-cell-30> line 5"
+    slow_cell = next(c for c in calls if c["name"] == "<mnb-cell-slow>")
+    inside = [c for c in colls if slow_cell["ts"] <= c["ts"] <= slow_cell["ts"] + slow_cell["dur"]]
+    assert len(inside) == 22 and inside[0]["args"]["from"] == "<mnb-cell-slow> line 5"
     assert any(e["ph"] == "C" and e["name"] == "step" for e in ev)
     assert sorted({e["ph"] for e in ev}) >= ["C", "M", "X"]
     check_chrome_trace(doc)  # loads in Perfetto / chrome://tracing as it is
@@ -421,7 +422,7 @@ def test_trace_reads_back_in_perfettos_trace_processor(mesh: Mesh, tmp_path: Pat
     path = mesh.trace(str(tmp_path / "mesh.json"))
     slices = perfetto_slices(path)
     rank1 = [s for s in slices if s["process"] == "rank 1"]
-    cells = [s for s in rank1 if s["thread"] == "calls" and s["name"] == "<mnb-cell-30>"]
+    cells = [s for s in rank1 if s["thread"] == "calls" and s["name"] == "<mnb-cell-slow>"]
     assert len(cells) == 1, rank1
     cell = cells[0]
     inside = [s for s in rank1 if s["thread"] == "collectives"
