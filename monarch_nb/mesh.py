@@ -587,7 +587,10 @@ def _call_payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
 def _exec_meta(code: str, setup: bool, name: str | None) -> dict[str, Any]:
     if not isinstance(code, str):
         raise UsageError(f"exec() needs a string of code, got {type(code).__name__}")
-    name = name or f"<mnb-cell-{next(_cell_counter)}>"
+    # not <mnb-cell-N>: that is the magics' name for notebook cell N (its
+    # execution count), and two cells of one name share the ranks'
+    # linecache entry (tracebacks, debugger listings, recorder callers)
+    name = name or f"<mnb-cell-exec-{next(_cell_counter)}>"
     try:
         ast.parse(code, filename=name)
     except SyntaxError as exc:

@@ -85,6 +85,11 @@ def test_exec_keeps_a_namespace_and_returns_last_expression(healthy: Mesh) -> No
     assert healthy.exec("counter + 1") == {0: 1, 1: 11, 2: 21, 3: 31}
     assert healthy.exec("counter + 1;") == dict.fromkeys(range(4))
     assert healthy.exec("y = 5") == dict.fromkeys(range(4))
+    # an unnamed exec is never called <mnb-cell-N>, the magics' name of notebook
+    # cell N: two cells of one name would share the ranks' source lines
+    with pytest.raises(RankErrors) as info:
+        healthy[0].exec("x = 1\nraise ValueError('seen')")
+    assert '"<mnb-cell-exec-' in str(info.value) and "line 2" in str(info.value), info.value
 
 
 def test_run_arguments_tensors_and_results(healthy: Mesh) -> None:
