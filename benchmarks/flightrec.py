@@ -85,7 +85,7 @@ def torch_recorder_row(n: int, rounds: int) -> tuple[float, float]:
         for side in ("off", "on"):
             env = {k: v for k, v in os.environ.items() if k != flightrec.TORCH_FR_ENV}
             if side == "on":
-                env[flightrec.TORCH_FR_ENV] = str(flightrec.RING_SIZE)
+                env[flightrec.TORCH_FR_ENV] = str(flightrec.TORCH_RING_SIZE)
             out = subprocess.run([sys.executable, __file__, "--torch-fr-child", str(n),
                                   str(rounds), str(29600 + 2 * i + (side == "on"))],
                                  env=env, capture_output=True, text=True, check=True)

@@ -206,8 +206,8 @@ def torch_tail(n: int, generation: int) -> list[list[Any]]:
         entries = flight.current_torch_entries(list(doc.get("entries") or []))
     except Exception:  # no process group yet, or a dump this code cannot read
         return []
-    records = (flight.from_torch(e, generation) for e in entries)
-    return [flight.encode(r) for r in records if r is not None][-n:]
+    records = (flight.from_torch(e, generation) for e in entries[-n:])
+    return [flight.encode(r) for r in records if r is not None]
 
 
 def _finish(row: list[Any], offset: float) -> flight.OpRecord:
@@ -324,6 +324,10 @@ def _wrap(name: str, fn: Callable[..., Any], rec: Recorder) -> Callable[..., Any
 
 
 TORCH_FR_ENV = "TORCH_FR_BUFFER_SIZE"
+# torch's ring, smaller than ours: the control thread dumps it whole at each
+# look (the dashboard's: every 2 s while a call runs), ~14 µs an entry under
+# the GIL; 256 cover the hang analysis and 20 steps of a DDP loop's buckets
+TORCH_RING_SIZE = 256
 
 
 def enable_torch_recorder() -> None:
@@ -333,7 +337,7 @@ def enable_torch_recorder() -> None:
     gloo all_reduce is below the noise (benchmarks/flightrec.py). A size
     the user set is kept; ``MONARCH_NB_FLIGHTREC=0`` leaves it off."""
     if os.environ.get("MONARCH_NB_FLIGHTREC", "1") != "0":
-        os.environ.setdefault(TORCH_FR_ENV, str(RING_SIZE))
+        os.environ.setdefault(TORCH_FR_ENV, str(TORCH_RING_SIZE))
 
 
 def install(recorder: Recorder = RECORDER) -> list[str]:
