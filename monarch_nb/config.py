@@ -42,6 +42,7 @@ ENV_IDENTITY = "MONARCH_NB_IDENTITY"  # socket identity prefix, with a random to
 ENV_MAX_MESSAGE = "MONARCH_NB_MAX_MESSAGE"  # results larger than this are refused
 ENV_SHM = "MONARCH_NB_SHM_THRESHOLD"  # local ranks: frames this big go by shared memory
 ENV_GPU_IPC = "MONARCH_NB_GPU_IPC"  # "1": local ranks send CUDA tensors by IPC handle
+ENV_LINK_FD = "MONARCH_NB_LINK_FD"  # local ranks: the fd of their end of the link (wire/link.py)
 # CurveZMQ (non-loopback meshes): the controller's public key and this rank's
 # client key pair, Z85 text. The secret travels like the HMAC key: environment
 # or 0600 file, never argv.
@@ -109,6 +110,12 @@ class MeshConfig:
         copied to the host and arrive on the CPU. Without a GPU backend, or
         with remote ranks, it prints a one-line notice and stays off. The
         ranks learn it from ``MONARCH_NB_GPU_IPC=1`` in their environment.
+    local_link: a *local* rank's main channel (calls, cells and their
+        results) is a Unix socket pair with the controller (wire/link.py)
+        instead of a ZeroMQ socket: no ZeroMQ I/O thread on either side of
+        the call path, about half the CPU of a no-op call. Messages on it are
+        signed and verified all the same. ``False`` puts every rank on
+        ZeroMQ (to compare, or to debug the transport).
     """
 
     n: int | None = None
@@ -134,6 +141,7 @@ class MeshConfig:
     join_dir: str | None = None
     shm_threshold: int | None = 1 << 20
     gpu_ipc: bool = False
+    local_link: bool = True
 
     def __post_init__(self) -> None:
         if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1):
@@ -168,6 +176,8 @@ class MeshConfig:
                              f"not {self.shm_threshold!r}")
         if not isinstance(self.gpu_ipc, bool):
             raise UsageError(f"gpu_ipc must be True or False, not {self.gpu_ipc!r}")
+        if not isinstance(self.local_link, bool):
+            raise UsageError(f"local_link must be True or False, not {self.local_link!r}")
         if not _valid_bind(self.bind):
             raise UsageError(f"bind address {self.bind!r} is not a host name, an IP address "
                              "or * (every interface)")
@@ -224,6 +234,7 @@ class RankEnv:
     curve: tuple[bytes, bytes, bytes] | None = None  # server public, own public, own secret
     shm_threshold: int | None = None  # None: no shared memory (a remote or joined rank)
     gpu_ipc: bool = False  # CUDA tensors by IPC handle with the controller (a local GPU rank)
+    link_fd: int | None = None  # a local rank's end of its link (wire/link.py), else a DEALER
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> RankEnv:
@@ -255,6 +266,7 @@ class RankEnv:
             curve=_curve_keys(env),
             shm_threshold=int(env[ENV_SHM]) if env.get(ENV_SHM, "").isdigit() else None,
             gpu_ipc=env.get(ENV_GPU_IPC, "") == "1",
+            link_fd=int(env[ENV_LINK_FD]) if env.get(ENV_LINK_FD, "").isdigit() else None,
         )
 
 

@@ -191,6 +191,7 @@ class _Proc:
     pid: int
     pidfd: int | None = None
     from_spare: bool = False
+    link: Any = None  # no link: a simulated process
 
 
 @dataclass

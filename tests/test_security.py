@@ -502,9 +502,11 @@ def test_ranks_only_connect_to_the_controller(mesh4: Mesh) -> None:
     for rank, (master_port, conns) in _rank_sockets(mesh4).items():
         listen = [c for c in conns if c.status == psutil.CONN_LISTEN]
         assert all(c.laddr.port != ctl_port for c in listen), (rank, listen)
-        # Exactly its two DEALERs (main and ctl), both connected out to the controller.
+        # Exactly one DEALER (ctl), connected out to the controller; the main
+        # channel of a local rank is its link, a socket pair with no address
+        # (wire/link.py; tests/test_link.py).
         to_ctl = [c for c in conns if c.raddr and c.raddr.port == ctl_port]
-        assert len(to_ctl) == 2 and all(c.status == psutil.CONN_ESTABLISHED for c in to_ctl), to_ctl
+        assert len(to_ctl) == 1 and all(c.status == psutil.CONN_ESTABLISHED for c in to_ctl), to_ctl
         assert all(_is_loopback(c.raddr.ip) for c in to_ctl), to_ctl
         # Nothing else listens, except rank 0's TCPStore on MASTER_PORT and
         # gloo's pair listeners, which must at least be on loopback.

@@ -20,7 +20,7 @@ from ..config import MeshConfig
 from ..errors import MonarchError
 from ..futures import MeshFuture
 from ..wire import chunks
-from ..wire.protocol import Codec, Kind
+from ..wire.protocol import Codec, Kind, exec_parts
 from ..wire.transport import IOLoop
 from .calltable import CallTable, PendingCall
 from .dataplane import DataPlane
@@ -184,7 +184,9 @@ class Caller:
         frames go into one shared-memory segment for all the ranks (its
         descriptor is in the signed meta): dataplane.py; on an encrypted link,
         those still big go in pieces (wire/chunks.py)."""
-        if payload and kind is Kind.CALL:
+        if kind is Kind.EXEC and meta:
+            payload, meta = exec_parts(meta)  # the code as a frame (a cell may be long)
+        elif payload and kind is Kind.CALL:
             payload, desc = self.dataplane.pack_call(call_id, payload)
             if desc is not None:
                 meta = {**(meta or {}), "shm": desc}

@@ -90,6 +90,7 @@ class Controller:
             max_message_bytes=cfg.max_message_bytes, launcher=launcher or LocalLauncher(),
             restart_budget=cfg.restart_budget,
             shm_threshold=cfg.shm_threshold,
+            local_links=cfg.local_link,
         )
         # CUDA tensors by IPC handle (opt-in; wire/gpuipc.py): local ranks on
         # GPUs only. Rank r's GPU is this process's cuda:<its local rank>

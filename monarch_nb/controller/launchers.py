@@ -81,13 +81,13 @@ class Launcher(Protocol):
 
 
 def _popen(argv: list[str], env: dict[str, str], log: IO[bytes],
-           stdin: int) -> subprocess.Popen[bytes]:
+           stdin: int, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         argv, env=env, stdin=stdin, stdout=log, stderr=subprocess.STDOUT,
         # Own session: the terminal's / Jupyter's SIGINT to the controller's
         # process group must not hit ranks directly; interrupts go through
         # the controller, to the call they are meant for.
-        start_new_session=True, close_fds=True,
+        start_new_session=True, close_fds=True, pass_fds=pass_fds,
     )
 
 
@@ -97,6 +97,7 @@ class LocalLauncher:
 
     name: str = "local"
     remote: bool = False
+    links: bool = True  # its children can inherit a link's end (wire/link.py)
 
     def placement(self, rank: int, world_size: int) -> Placement:
         return Placement("", 0, rank, world_size)
@@ -104,8 +105,10 @@ class LocalLauncher:
     def master_addr(self, world_size: int) -> str:
         return "127.0.0.1"
 
-    def start(self, rank: int, env: dict[str, str], log: IO[bytes]) -> subprocess.Popen[bytes]:
-        return _popen([sys.executable, "-m", "monarch_nb.worker"], env, log, subprocess.DEVNULL)
+    def start(self, rank: int, env: dict[str, str], log: IO[bytes],
+              pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+        return _popen([sys.executable, "-m", "monarch_nb.worker"], env, log, subprocess.DEVNULL,
+                      pass_fds)
 
 
 def rank_spec(env: dict[str, str]) -> bytes:

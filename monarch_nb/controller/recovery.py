@@ -40,7 +40,7 @@ from ..config import MeshConfig
 from ..errors import MembershipChanged, MonarchError, RankDied, RankErrors
 from ..futures import MeshFuture
 from ..stacks import RankStacks
-from ..wire.protocol import Codec, Kind, Message
+from ..wire.protocol import Codec, Kind, Message, exec_parts
 from ..wire.transport import IOLoop
 from .calltable import CallTable, PendingCall
 from .events import EventKind
@@ -100,6 +100,9 @@ class Recovery:
         # a new process owes no answer to a REFORM sent to the one it replaces
         self.awaiting_reform.pop(rank, None)
         proc = self.supervisor.spawn(rank, incarnation, info.identity)
+        if proc.link is not None:  # a local rank: its main channel is a link (wire/link.py)
+            link, proc.link = proc.link, None
+            self.io.attach_link(info.main_id, link)
         info.pid = proc.pid
         self.ranks.record(rank, EventKind.STARTED,
                           f"pid {proc.pid}" + (", from a spare" if proc.from_spare else ""))
@@ -353,7 +356,8 @@ class Recovery:
         for cell in self.calls.setup_cells:
             call_id = self.calls.next_id()
             future = MeshFuture(call_id, (info.rank,), lambda _id: None)
-            frames = self.codec.sign(Kind.EXEC, call=call_id, meta=cell)
+            code, meta = exec_parts(cell)
+            frames = self.codec.sign(Kind.EXEC, code, call=call_id, meta=meta)
             call = self.calls.new(call_id, (info.rank,), self._default_output() or CallOutput(),
                                   future, frames=frames, internal=True)
             self.calls.sent(call)

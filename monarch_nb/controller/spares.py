@@ -26,14 +26,16 @@ def is_waiting(log_path: str) -> bool:
         return False
 
 
-def start(env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:
-    """Start a spare (on the supervisor's thread: see supervisor.py on why)."""
+def start(env: dict[str, str], log_path: str,
+          pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+    """Start a spare (on the supervisor's thread: see supervisor.py on why);
+    ``pass_fds``: its end of a link, named in the assignment."""
     env = {**env, ENV_SPARE: "1"}
     with open(log_path, "ab", buffering=0, opener=private) as log:
         return subprocess.Popen(
             [sys.executable, "-m", "monarch_nb.worker"],
             env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, close_fds=True,
+            start_new_session=True, close_fds=True, pass_fds=pass_fds,
         )
 
 

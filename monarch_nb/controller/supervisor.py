@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import threading
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ import psutil
 
 from .. import config
 from ..backends import BackendInfo, pin_env
+from ..wire import link as links
 from . import deathcause, logdirs, spares
 from .launchers import Launcher, LocalLauncher
 from .spawner import Spawner
@@ -44,6 +46,7 @@ class RankProcess:
     pidfd: int | None = None
     reaped: bool = False
     from_spare: bool = False  # a spare process became this rank (torch already imported)
+    link: socket.socket | None = None  # our end of its link, until the I/O loop takes it
     sent: list[int] = field(default_factory=list)  # signals we sent it (a death's cause: deathcause.py)
 
     @property
@@ -66,6 +69,7 @@ class Supervisor:
     max_message_bytes: int = 4 << 30
     shm_threshold: int | None = None  # local ranks only (wire/shm.py)
     gpu_ipc: bool = False  # local ranks only (wire/gpuipc.py)
+    local_links: bool = True  # local ranks' main channel is a link (wire/link.py)
     restart_budget: int = config.MeshConfig.restart_budget  # torchrun's TORCHELASTIC_MAX_RESTARTS
     extra_env: dict[str, str] = field(default_factory=dict)
     launcher: Launcher = field(default_factory=LocalLauncher)
@@ -75,6 +79,7 @@ class Supervisor:
     history: list[RankProcess] = field(default_factory=list)
     spare: subprocess.Popen[bytes] | None = None  # torch imported, waiting (spares.py)
     spare_log: str = ""
+    spare_link: tuple[socket.socket, int] | None = None  # our end of the spare's, its fd there
     _spares: int = 0
     # Set by terminate_all: a process a respawn or keep_spare forks after
     # that (the I/O thread racing a stop) is killed at once, not kept.
@@ -136,6 +141,7 @@ class Supervisor:
         })
         env.pop(config.ENV_SHM, None)
         env.pop(config.ENV_GPU_IPC, None)  # never inherited from the kernel's environment
+        env.pop(config.ENV_LINK_FD, None)  # set by spawn for the rank's own link
         if self.launcher.remote:
             env.pop(config.ENV_PARENT_PID, None)  # its parent is ssh/srun's, not us
         else:
@@ -160,15 +166,36 @@ class Supervisor:
         env = dict(os.environ)
         env.pop(config.ENV_KEY_FILE, None)
         env.pop(config.ENV_KEY, None)
+        env.pop(config.ENV_LINK_FD, None)  # its own comes with the assignment
         env.update({config.ENV_PARENT_PID: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
         self._spares += 1
         self.spare_log = os.path.join(self.log_dir, f"spare{self._spares}.log")
-        popen = self.spawner.call(spares.start, env, self.spare_log)
+        ours, theirs = links.pair() if self.links_on else (None, None)
+        theirs_fd = -1 if theirs is None else theirs.fileno()  # its number there too
+        try:
+            popen = self.spawner.call(spares.start, env, self.spare_log,
+                                      () if theirs is None else (theirs_fd,))
+        except BaseException:
+            if ours is not None:
+                ours.close()
+            raise
+        finally:
+            if theirs is not None:
+                theirs.close()  # the spare holds it now
         with self._lock:
             if not self.closed:
                 self.spare = popen
+                if ours is not None:
+                    self.spare_link = (ours, theirs_fd)
                 return
         spares.discard(popen)  # the mesh stopped while it started
+        if ours is not None:
+            ours.close()
+
+    @property
+    def links_on(self) -> bool:
+        """Local ranks get a link (wire/link.py) as their main channel."""
+        return self.local_links and getattr(self.launcher, "links", False) is True
 
     def spare_ready(self) -> bool:
         """A spare is waiting with torch imported (the next respawn is fast)."""
@@ -181,20 +208,25 @@ class Supervisor:
             log_path = os.devnull
         env = self.env_for(rank, incarnation, identity)
         popen = None
+        ours: socket.socket | None = None
         if self.spare is not None:  # a waiting spare becomes this rank at once
             candidate, self.spare = self.spare, None
+            spare_link, self.spare_link = self.spare_link, None
+            if spare_link is not None:
+                ours = spare_link[0]
+                env[config.ENV_LINK_FD] = str(spare_link[1])
             if spares.assign(candidate, env, log_path):
                 popen = candidate
             else:
                 spares.discard(candidate)
+                if ours is not None:
+                    ours.close()
+                    ours = None
+                env.pop(config.ENV_LINK_FD, None)
         from_spare = popen is not None
         if popen is None:
-            log = open(log_path, "ab", buffering=0, opener=config.private)
-            try:
-                popen = self.spawner.call(self.launcher.start, rank, env, log)
-            finally:
-                log.close()
-        proc = RankProcess(rank, incarnation, popen, log_path, from_spare=from_spare)
+            popen, ours = self._start_rank(rank, env, log_path)
+        proc = RankProcess(rank, incarnation, popen, log_path, from_spare=from_spare, link=ours)
         from ..wire.transport import pidfd_open
 
         proc.pidfd = pidfd_open(popen.pid)
@@ -205,6 +237,31 @@ class Supervisor:
                 return proc
         self.kill_proc(proc)  # the mesh stopped while it started
         return proc
+
+    def _start_rank(self, rank: int, env: dict[str, str],
+                    log_path: str) -> tuple[subprocess.Popen[bytes], socket.socket | None]:
+        """A fresh process for ``rank`` through the launcher, and our end of
+        its link (a local launcher's) or None."""
+        ours, theirs = links.pair() if self.links_on else (None, None)
+        if theirs is not None:
+            env[config.ENV_LINK_FD] = str(theirs.fileno())
+        log = open(log_path, "ab", buffering=0, opener=config.private)
+        try:
+            if theirs is None:
+                popen = self.spawner.call(self.launcher.start, rank, env, log)
+            else:
+                fds = (theirs.fileno(),)
+                popen = self.spawner.call(
+                    lambda: self.launcher.start(rank, env, log, pass_fds=fds))  # type: ignore[call-arg]
+        except BaseException:
+            if ours is not None:
+                ours.close()
+            raise
+        finally:
+            log.close()
+            if theirs is not None:
+                theirs.close()  # the child holds it now
+        return popen, ours
 
     def reap(self, rank: int, proc: RankProcess | None = None) -> int | None:
         """The exit status of ``proc`` (default: ``rank``'s current process)
@@ -308,6 +365,9 @@ class Supervisor:
         return [line for chunk in reversed(chunks) for line in chunk]
 
     def kill_proc(self, proc: RankProcess) -> None:
+        if proc.link is not None:  # never handed to the I/O loop
+            proc.link.close()
+            proc.link = None
         _close_stdin(proc)  # a remote rank's cue that its handle is gone
         if proc.popen.poll() is None:
             proc.sent.append(signal.SIGKILL)
@@ -331,6 +391,9 @@ class Supervisor:
         alive = []
         with self._lock:
             spare, self.spare = self.spare, None
+            spare_link, self.spare_link = self.spare_link, None
+        if spare_link is not None:
+            spare_link[0].close()
         if spare is not None:
             spares.discard(spare)
         for proc in [p for p in self.history if p.popen.poll() is None]:

@@ -26,15 +26,12 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
-
-import zmq
 
 from ..backends import JoinAborted, JoinFailed, init_group, leave_group
 from ..config import RankEnv
 from ..errors import is_peer_loss
 from ..wire.protocol import Codec, Kind, Message
-from ..wire.transport import recv_verified
+from ..wire.transport import MainChannel
 from . import context as _context
 
 SUPERSEDE_GRACE_S = 1.0  # after a failed join, how long a newer REFORM may take to arrive
@@ -44,10 +41,10 @@ class Membership:
     """Joins and leaves for one rank; reads its main socket only while it
     waits for a REFORM (the worker reads it otherwise)."""
 
-    def __init__(self, env: RankEnv, sock: zmq.Socket[Any], codec: Codec,
+    def __init__(self, env: RankEnv, channel: MainChannel, codec: Codec,
                  dropped: collections.Counter[str], send: Callable[..., None]) -> None:
         self.env = env
-        self.sock = sock
+        self.channel = channel
         self.codec = codec
         self.dropped = dropped
         self.send = send  # the worker's main-socket send (REFORMED)
@@ -88,9 +85,9 @@ class Membership:
         if newest is not None:
             return self.reform(newest)
         while time.monotonic() < deadline:
-            if not self.sock.poll(100):
+            if not self.channel.poll(100):
                 continue
-            msg = recv_verified(self.sock, self.codec, self.dropped)
+            msg = self.channel.recv(self.codec, self.dropped)
             if msg is None:
                 continue
             if msg.kind == Kind.REFORM:
@@ -116,8 +113,8 @@ class Membership:
     def newer_reform(self, generation: int) -> bool:
         """Anything on the main socket is kept in order; True if a REFORM
         newer than ``generation`` or a STOP is among it."""
-        while self.sock.poll(0):
-            got = recv_verified(self.sock, self.codec, self.dropped)
+        while self.channel.poll(0):
+            got = self.channel.recv(self.codec, self.dropped)
             if got is not None:
                 self.pending.append(got)
         return any(m.kind == Kind.STOP or (m.kind == Kind.REFORM and
@@ -133,7 +130,7 @@ class Membership:
         deadline = time.monotonic() + grace
         while not self.newer_reform(generation):
             left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
+            if left <= 0 or not self.channel.poll(max(1, int(left * 1000))):
                 return self.newer_reform(generation)
         return True
 

@@ -44,9 +44,10 @@ from .. import config
 from ..backends import init_group, keep_links_to, native_crash_stacks
 from ..config import RankEnv
 from ..wire import chunks, gpuipc, serialize, shm
+from ..wire.link import Link, LinkChannel
 from ..wire.metricframes import encode as encode_metrics
 from ..wire.protocol import Codec, Kind, Message
-from ..wire.transport import dealer, recv_verified, send_frames, socket_send
+from ..wire.transport import MainChannel, SocketChannel, dealer, recv_verified, send_frames
 from . import context as _context
 from . import debug, flightrec, metrics, pgcompat, spare
 from .capture import OutputBuffer, RankStream
@@ -83,7 +84,12 @@ class Worker:
         self.ctl_id = f"{ident}.ctl"
         self.main_codec = Codec(env.key, self.main_id)
         self.ctl_codec = Codec(env.key, self.ctl_id)
-        self.main_sock = dealer(self.ctx, self.main_id, env.controller, env.curve)
+        # The main channel: a local rank's link (wire/link.py: a socket pair
+        # with its controller, no ZeroMQ threads on the call path), else a DEALER.
+        self.main: MainChannel = (
+            LinkChannel(Link.inherited(env.link_fd, env.max_message_bytes))
+            if env.link_fd is not None
+            else SocketChannel(dealer(self.ctx, self.main_id, env.controller, env.curve)))
         self.ctl_sock = dealer(self.ctx, self.ctl_id, env.controller, env.curve)
         self.dropped: collections.Counter[str] = collections.Counter()
         self.output = OutputBuffer()
@@ -96,7 +102,7 @@ class Worker:
         self.cancelled: set[int] = set()
         # the group across re-formations, and the messages read ahead while
         # waiting for one (served first, in order: see serve)
-        self.members = Membership(env, self.main_sock, self.main_codec, self.dropped,
+        self.members = Membership(env, self.main, self.main_codec, self.dropped,
                                   self._send_main)
         self.finished: collections.deque[int] = collections.deque(maxlen=4096)
         # Shared memory with the controller (wire/shm.py): only a rank on its
@@ -159,12 +165,14 @@ class Worker:
 
     # -- main thread -----------------------------------------------------------
     def serve(self) -> None:
-        sock, codec, pending, dropped = self.main_sock, self.main_codec, self.members.pending, self.dropped
+        recv, codec, pending, dropped = self.main.recv, self.main_codec, self.members.pending, self.dropped
         while not self.stopping:
             try:
-                msg = pending.popleft() if pending else recv_verified(sock, codec, dropped)
+                msg = pending.popleft() if pending else recv(codec, dropped)
             except KeyboardInterrupt:  # a stray interrupt while idle
                 continue
+            except EOFError:  # the controller closed this rank's link: it is gone
+                break
             if msg is None:
                 continue
             kind = msg.kind
@@ -216,7 +224,9 @@ class Worker:
                     fn, args, kwargs = self.calls.load(frames)
                     value = fn(*args, **kwargs)
                 else:
-                    value = self._run_cell(msg.meta["code"], msg.meta.get("name", "<mnb-cell>"))
+                    code = (bytes(memoryview(msg.payload[0])).decode() if msg.payload
+                            else msg.meta.get("code", ""))  # (payload: protocol.exec_parts)
+                    value = self._run_cell(code, msg.meta.get("name", "<mnb-cell>"))
             finally:
                 self.finished.append(call)  # before running_call drops: see _control
                 self.running_call = 0
@@ -298,8 +308,8 @@ class Worker:
                 if parts is not None:
                     meta["parts"] = parts
             self._send_main(Kind.RESULT, payload, call=call, meta=meta)
-        else:  # one frame: no send_frames loop
-            socket_send(self.main_sock, self.main_codec.sign(Kind.RESULT, (), call=call, meta=meta)[0])
+        else:
+            self.main.send(self.main_codec.sign(Kind.RESULT, (), call=call, meta=meta))
 
     def _run_cell(self, code: str, name: str) -> Any:
         if sys.argv is self._cell_argv:  # untouched by the user: name this cell
@@ -337,8 +347,7 @@ class Worker:
 
     def _send_main(self, kind: Kind, payload: list[Any] | None = None, *, call: int = 0,
                    meta: dict[str, Any] | None = None) -> None:
-        frames = self.main_codec.sign(kind, payload or [], call=call, meta=meta)
-        send_frames(self.main_sock, frames)
+        self.main.send(self.main_codec.sign(kind, payload or [], call=call, meta=meta))
 
     # -- control thread ------------------------------------------------------------
     def _control_thread(self) -> None:
@@ -497,6 +506,7 @@ def main() -> None:
     if os.environ.get(config.ENV_SPARE):
         spare.wait_for_assignment()  # torch imported ahead of need (spare.py)
     env = RankEnv.from_environ()
+    os.environ.pop(config.ENV_LINK_FD, None)  # the fd is this process's, not its children's
     worker = Worker(env)
     worker.start()
     profile_path = os.environ.get("MONARCH_NB_PROFILE")  # developer aid: cProfile the rank

@@ -68,7 +68,7 @@ class Kind(str, enum.Enum):
     What each kind's meta holds is :data:`META` (the one schema)."""
 
     CALL = "call"  # run a pickled function (payload: fn, args, kwargs; meta: elastic, generation, check, shm)
-    EXEC = "exec"  # run cell code (meta: code, name, setup, elastic, generation, check)
+    EXEC = "exec"  # run cell code (payload: the code; meta: name, setup, elastic, generation, check)
     INTERRUPT = "interrupt"  # raise KeyboardInterrupt in the main thread for call c
     PING = "ping"  # controller liveness; ranks exit when pings stop
     STOP = "stop"  # leave cleanly
@@ -128,6 +128,17 @@ META: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.PROMPT: {"prompt": _S},
     Kind.RELEASE: {"tok": _S},
 }
+
+
+def exec_parts(meta: dict[str, Any]) -> tuple[list[bytes], dict[str, Any]]:
+    """An EXEC's payload and meta: the cell's code travels as payload frame
+    0 (UTF-8), never in the header, whose size is bounded (MAX_HEADER_BYTES:
+    a cell longer than that was dropped by the rank as oversized, and its
+    call waited for ever). ``meta``'s other fields stay."""
+    if "code" not in meta:
+        return [], meta
+    rest = dict(meta)
+    return [str(rest.pop("code")).encode()], rest
 
 
 def check_meta(kind: Kind, meta: dict[str, Any]) -> None:

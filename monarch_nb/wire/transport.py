@@ -48,6 +48,7 @@ from zmq.utils import z85
 
 from .. import config
 from ..errors import ProtocolError, UsageError, no_free_port
+from .link import DROPPED, Link, LinkChannel
 from .protocol import Codec, Message
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,11 @@ class IOLoop:
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._fds: dict[int, Callable[[], None]] = {}
+        # Local ranks' main channels (link.py), by routing id and by fd. The
+        # first is written by any thread (a dict store), read by the leader.
+        self._links: dict[bytes, Link] = {}
+        self._link_fds: dict[int, tuple[bytes, Link]] = {}
+        self.max_message_bytes = max_message_bytes
         self._poller = zmq.Poller()
         self._poller.register(self.router, zmq.POLLIN)
         self._poller.register(self._wake_fd, zmq.POLLIN)
@@ -215,6 +221,27 @@ class IOLoop:
             self._poller.register(fd, zmq.POLLIN)
 
         self.call_soon(add)
+
+    def attach_link(self, ident: bytes, sock: socket.socket) -> None:
+        """From now on, messages to ``ident`` (a local rank's main id) go
+        over ``sock``, its end of a socket pair (link.py), and what comes
+        in on it is verified as sent by ``ident``. Thread-safe: sends take
+        the link at once, reading starts at the loop's next turn."""
+        link = Link(sock, self.max_message_bytes)
+        self._links[ident] = link
+
+        def watch() -> None:
+            if self._links.get(ident) is not link:  # already gone again
+                return
+            self._link_fds[link.fd] = (ident, link)
+            self._poller.register(link.fd, _POLLIN | _POLLOUT if link.waiting else _POLLIN)
+
+        self.call_soon(watch)
+
+    @property
+    def links(self) -> int:
+        """How many local ranks are on links now."""
+        return len(self._links)
 
     @contextlib.contextmanager
     def leadership(self) -> Iterator[None]:
@@ -285,8 +312,17 @@ class IOLoop:
         signed once, sent N times); only call while leading."""
         router = self.router
         last = len(frames) - 1
-        small = [isinstance(f, bytes) or memoryview(f).nbytes < _COPY_BELOW for f in frames]
+        links = self._links
+        small: list[bool] | None = None
         for ident in idents:
+            if links:
+                link = links.get(ident)
+                if link is not None:  # a local rank's link (link.py)
+                    if link.send(frames):  # the socket is full: the rest waits for room
+                        self._poller.register(link.fd, _POLLIN | _POLLOUT)
+                    continue
+            if small is None:
+                small = [isinstance(f, bytes) or memoryview(f).nbytes < _COPY_BELOW for f in frames]
             try:
                 socket_send(router, ident, _SNDMORE)
                 for i, frame in enumerate(frames):
@@ -319,10 +355,14 @@ class IOLoop:
             self._answer_zap()
         if self.router in events:
             self._drain_router(until)
-        if self._fds and len(events) > (self.router in events) + (self._wake_fd in events):
-            for fd in list(self._fds):
-                if fd in events:
-                    callback = self._fds.pop(fd)
+        if len(events) > (self.router in events) + (self._wake_fd in events):
+            link_fds, fds = self._link_fds, self._fds
+            for fd, ev in events.items():
+                found = link_fds.get(fd)
+                if found is not None:
+                    self._serve_link(found[0], found[1], ev, until)
+                elif fd in fds:
+                    callback = fds.pop(fd)
                     self._poller.unregister(fd)
                     self._guard(callback)
         now = time.monotonic()
@@ -380,7 +420,7 @@ class IOLoop:
 
     def _drain_router(self, until: Callable[[], bool] | None = None) -> None:
         recv = self.router.recv
-        verify, on_message, dropped = self.codec.verify, self._on_message, self.dropped
+        verify, on_message = self.codec.verify, self._on_message
         idents = self._idents
         # Bounded so commands and ticks are not starved. Frames are read one
         # by one because a Frame knows whether more follow: recv_multipart
@@ -407,13 +447,7 @@ class IOLoop:
             try:
                 msg = verify(frames, expected_sender=sender)
             except Exception as exc:  # never let a message kill the I/O thread
-                if not isinstance(exc, ProtocolError):
-                    exc = ProtocolError("malformed", f"{type(exc).__name__}: {exc}")
-                dropped[exc.reason] += 1
-                n = dropped[exc.reason]
-                if n == 1 or n % 1000 == 0:  # a flood of forgeries must not flood the log
-                    log.warning("dropped %d message(s) (%s), latest from %r: %s",
-                                n, exc.reason, ident[:64], exc)
+                self._drop(ident, exc)
                 continue
             try:
                 on_message(ident, msg)
@@ -421,6 +455,54 @@ class IOLoop:
                 log.exception("monarch_nb I/O thread handler failed")
             if until is not None and until():
                 return
+
+    def _drop(self, ident: bytes, exc: Exception) -> None:
+        """Count (and rarely log) a message that failed verification."""
+        if not isinstance(exc, ProtocolError):
+            exc = ProtocolError("malformed", f"{type(exc).__name__}: {exc}")
+        dropped = self.dropped
+        dropped[exc.reason] += 1
+        n = dropped[exc.reason]
+        if n == 1 or n % 1000 == 0:  # a flood of forgeries must not flood the log
+            log.warning("dropped %d message(s) (%s), latest from %r: %s",
+                        n, exc.reason, ident[:64], exc)
+
+    def _serve_link(self, ident: bytes, link: Link, events: int,
+                    until: Callable[[], bool] | None) -> None:
+        """A local rank's link is readable (or writable again): the same
+        verification and handler as a message from the ROUTER."""
+        if events & _POLLOUT and not link.flush():
+            self._poller.register(link.fd, _POLLIN)  # all sent: stop watching for room
+        if events & _POLLIN_ERR:
+            verify, on_message = self.codec.verify, self._on_message
+            sender = self._ident_str(ident)
+            for _ in range(1000):  # bounded, as the ROUTER's drain
+                frames = link.read()
+                if frames is None:
+                    break
+                if frames is DROPPED:
+                    self._drop(ident, ProtocolError(link.refused, "on a local link"))
+                    continue
+                try:
+                    msg = verify(frames, expected_sender=sender)
+                except Exception as exc:
+                    self._drop(ident, exc)
+                    continue
+                try:
+                    on_message(ident, msg)
+                except Exception:
+                    log.exception("monarch_nb I/O thread handler failed")
+                if until is not None and until():
+                    break
+        if link.closed:  # the rank's process is gone (its pidfd reports the death)
+            self._forget_link(ident, link)
+
+    def _forget_link(self, ident: bytes, link: Link) -> None:
+        if self._links.get(ident) is link:
+            del self._links[ident]
+        if self._link_fds.pop(link.fd, None) is not None:
+            self._poller.unregister(link.fd)
+        link.close()
 
     def _ident_str(self, ident: bytes) -> str:
         text = self._idents.get(ident)
@@ -465,6 +547,10 @@ class IOLoop:
     def _close(self) -> None:
         if self.router.closed:
             return
+        for link in list(self._links.values()):
+            link.close()
+        self._links.clear()
+        self._link_fds.clear()
         self.router.close(linger=0)
         if self.zap is not None:
             self.zap.close(linger=0)
@@ -475,6 +561,10 @@ class IOLoop:
         self.ctx.term()
 
 
+# plain ints: pyzmq's flags are IntFlag members, and their & and | go
+# through enum machinery (measurable per message)
+_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+_POLLIN_ERR = int(zmq.POLLIN) | int(zmq.POLLERR)
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _COPY_BELOW = 64 * 1024
@@ -532,6 +622,32 @@ def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
     return frames
 
 
+class SocketChannel:
+    """A rank's main channel over its DEALER (a remote or joined rank; a
+    local one uses its link: link.LinkChannel). Main thread only."""
+
+    def __init__(self, sock: zmq.Socket[Any]) -> None:
+        self.sock = sock
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self.sock.poll(timeout_ms))
+
+    def recv(self, codec: Codec, dropped: collections.Counter[str]) -> Message | None:
+        return recv_verified(self.sock, codec, dropped)
+
+    def send(self, frames: Sequence[Any]) -> None:
+        if len(frames) == 1:  # one frame: no send_frames loop
+            socket_send(self.sock, frames[0])
+        else:
+            send_frames(self.sock, frames)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+MainChannel = SocketChannel | LinkChannel  # a rank's main channel, either way
+
+
 def recv_verified(sock: zmq.Socket, codec: Codec, dropped: collections.Counter[str]) -> Message | None:
     """Receive one message and verify it; None (and counted) if it fails."""
     frames = recv_frames(sock)
@@ -542,5 +658,5 @@ def recv_verified(sock: zmq.Socket, codec: Codec, dropped: collections.Counter[s
         return None
 
 
-__all__ = ["CurveKeys", "IOLoop", "dealer", "pidfd_open", "recv_frames", "recv_verified", "socket_send",
+__all__ = ["CurveKeys", "IOLoop", "MainChannel", "SocketChannel", "dealer", "pidfd_open", "recv_frames", "recv_verified", "socket_send",
            "send_frames"]
