@@ -92,6 +92,15 @@ def test_exec_keeps_a_namespace_and_returns_last_expression(healthy: Mesh) -> No
     assert '"<mnb-cell-exec-' in str(info.value) and "line 2" in str(info.value), info.value
 
 
+def test_a_cell_longer_than_a_header_runs(healthy: Mesh) -> None:
+    """A cell's code travels as a payload frame: one over the header's 64 KiB
+    bound (a notebook cell with a big literal, say) was dropped by the ranks
+    as oversized, and its call waited for ever."""
+    table = ", ".join(str(i) for i in range(40_000))  # ~230 KB of code
+    out = healthy.exec(f"big = [{table}]\nlen(big)", timeout=60)
+    assert out.values_list() == [40_000] * len(out)
+
+
 def test_run_arguments_tensors_and_results(healthy: Mesh) -> None:
     big = torch.arange(200_000, dtype=torch.float32)
     res = healthy.run(lambda t, k=0: (t * (mnb.rank() + k)).sum().item(), big, k=1)
