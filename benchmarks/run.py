@@ -199,7 +199,7 @@ def floor_pass(ranks: int, calls: int, order: list[int], res: dict[str, Any]) ->
 
 
 # --------------------------------------------------------------------------- monarch_nb
-def mesh_start(n: int, res: dict[str, Any]) -> tuple[Any, float]:
+def mesh_start(n: int, res: dict[str, Any], **options: Any) -> tuple[Any, float]:
     """Mesh.start(n) timed; one retry (recorded) if a start fails, since other
     processes on this machine may be interfering."""
     from monarch_nb import Mesh
@@ -207,7 +207,7 @@ def mesh_start(n: int, res: dict[str, Any]) -> tuple[Any, float]:
     for attempt in (1, 2):
         t = time.perf_counter()
         try:
-            mesh = Mesh.start(n=n, backend="cpu")
+            mesh = Mesh.start(n=n, backend="cpu", **options)
         except Exception as exc:
             res["errors"].append(f"monarch_nb Mesh.start attempt {attempt}: {type(exc).__name__}: {exc}")
             log(f"monarch_nb Mesh.start failed (attempt {attempt}): {exc}")
@@ -255,6 +255,8 @@ def main() -> int:
     ap.add_argument("--ipp-calls", type=int, default=300, help="ipyparallel no-op calls per target")
     ap.add_argument("--json", metavar="PATH", help="write every raw figure here")
     ap.add_argument("--quick", action="store_true", help="small sample counts (smoke test, ~1 min)")
+    ap.add_argument("--no-zmq-mesh", action="store_true",
+                    help="skip the second mesh with local_link=False (ranks on ZeroMQ)")
     ap.add_argument("--floor-script", metavar="PATH", default=str(FLOOR_SCRIPT),
                     help="shared/bench/zmq_floor.py (default: beside the checkout)")
     a = ap.parse_args()
@@ -320,7 +322,7 @@ def main() -> int:
         floor_pass(N, floor_calls, order, res)
     pull_floor_pass(N, res)
 
-    mesh = cluster = rc = None
+    mesh = cluster = rc = zmq_mesh = None
     arr = np.zeros(PUSH_BYTES, dtype=np.uint8)
     tens = torch.zeros(PUSH_BYTES, dtype=torch.uint8) if torch is not None else None
     try:
@@ -356,12 +358,25 @@ def main() -> int:
                     res["errors"].append(f"ipyparallel start: {type(exc).__name__}: {exc}")
                     log(f"ipyparallel start failed: {exc}")
 
+        # ---- the same mesh with every rank on ZeroMQ (local_link=False): what
+        # the same-host links (wire/link.py) change, measured in the same blocks
+        if have_mnb and not a.no_zmq_mesh:
+            try:
+                log(f"monarch_nb with local_link=False: Mesh.start(n={N})")
+                zmq_mesh, _ = mesh_start(N, res, local_link=False, spare=False)
+            except Exception as exc:
+                res["errors"].append(f"monarch_nb local_link=False start: {type(exc).__name__}: {exc}")
+
         # ---- no-op round trips, interleaved blocks
         targets: dict[str, tuple[dict[str, Any], str, Callable[[], Any], int]] = {}
         if mesh is not None:
             m_all, m_one = mesh, mesh[0]
             targets["mnb_all"] = (M, f"noop_{N}_us", lambda: m_all.run(NOOP), a.calls)
             targets["mnb_one"] = (M, "noop_1_us", lambda: m_one.run(NOOP), a.calls)
+        if zmq_mesh is not None:
+            z_all, z_one = zmq_mesh, zmq_mesh[0]
+            targets["mnbz_all"] = (M, f"noop_{N}_zmq_us", lambda: z_all.run(NOOP), a.calls)
+            targets["mnbz_one"] = (M, "noop_1_zmq_us", lambda: z_one.run(NOOP), a.calls)
         if rc is not None:
             v_all, v_one = rc[:], rc[0]
             targets["ipp_all"] = (P, f"noop_{N}_us", lambda: v_all.apply_sync(NOOP), a.ipp_calls)
@@ -403,6 +418,9 @@ def main() -> int:
         if have_floor:
             floor_pass(N, floor_calls, order, res)
         pull_floor_pass(N, res)
+        if zmq_mesh is not None:  # not needed for the pushes
+            zmq_mesh.stop()
+            zmq_mesh = None
 
         # ---- 64 MiB pushes, round-robin
         pushes: Bulk = {}
@@ -442,11 +460,12 @@ def main() -> int:
             M["dataplane"] = mesh.dataplane
     finally:
         log("stopping mesh / cluster")
-        if mesh is not None:
-            try:
-                mesh.stop()
-            except Exception as exc:
-                log(f"mesh.stop failed: {exc}")
+        for m in (mesh, zmq_mesh):
+            if m is not None:
+                try:
+                    m.stop()
+                except Exception as exc:
+                    log(f"mesh.stop failed: {exc}")
         _ipp_stop(cluster, rc)
 
     # ---- floor, second pass (reverse order) to bracket the run
@@ -488,6 +507,13 @@ def main() -> int:
         (f"no-op, {N} ranks (µs, median)", F.get(f"noop_{N}_us"), g(M, f"noop_{N}_us", "median"),
          g(P, f"noop_{N}_us", "median"),
          (F.get(f"noop_{N}_us_min"), g(M, f"noop_{N}_us", "min"), g(P, f"noop_{N}_us", "min")), False),
+        ("no-op, 1 rank, ZeroMQ main channel (local_link=False)", F.get("noop_1_us"),
+         g(M, "noop_1_zmq_us", "median"), g(P, "noop_1_us", "median"),
+         (F.get("noop_1_us_min"), g(M, "noop_1_zmq_us", "min"), g(P, "noop_1_us", "min")), False),
+        (f"no-op, {N} ranks, ZeroMQ main channel (local_link=False)", F.get(f"noop_{N}_us"),
+         g(M, f"noop_{N}_zmq_us", "median"), g(P, f"noop_{N}_us", "median"),
+         (F.get(f"noop_{N}_us_min"), g(M, f"noop_{N}_zmq_us", "min"), g(P, f"noop_{N}_us", "min")),
+         False),
         (f"push {MIB} MiB numpy to {N} ranks (aggregate MiB/s)", F.get("push_mib_per_s"),
          g(M, "push_numpy", "mib_per_s_aggregate"), g(P, "push_numpy", "mib_per_s_aggregate"),
          None, True),

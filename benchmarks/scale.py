@@ -2,13 +2,17 @@
 """monarch_nb scale curve: the controller alone at many ranks, and one real big mesh.
 
     .venv/bin/python benchmarks/scale.py [--ranks 4,64,256,1024] [--hosts 2] [--calls 300]
-                                         [--json out.json] [--profile N]
+                                         [--json out.json] [--profile N] [--zmq]
     .venv/bin/python benchmarks/scale.py --real 32 [--json out.json]
 
 Simulated ranks (default): for each N, ``Mesh.start(n=N, launcher=SimLauncher(hosts=K))``
 (benchmarks/simranks.py: N protocol-speaking ranks, no torch, in K host
 processes), then ``mesh.run(f)`` of a no-op ``f`` to all N ranks, as
 benchmarks/run.py calls it. Per N:
+
+Each simulated rank's main channel is a link (wire/link.py), as a real rank's
+on the controller's host; ``--zmq`` puts it on a ZeroMQ DEALER instead, as a
+rank on another host (the control channel is ZeroMQ either way).
 
 * start: ``Mesh.start`` until every simulated rank is READY (the
   controller's start-up work: N spawns, N handshakes);
@@ -110,16 +114,17 @@ def _hosts_cpu(launcher: SimLauncher) -> float:
     return total
 
 
-def start_sim(n: int, hosts: int) -> tuple[Mesh, SimLauncher, float]:
-    launcher = SimLauncher(hosts=min(hosts, n))
+def start_sim(n: int, hosts: int, links: bool = True) -> tuple[Mesh, SimLauncher, float]:
+    launcher = SimLauncher(hosts=min(hosts, n), links=links)
     t0 = time.perf_counter()
     mesh = Mesh.start(n=n, backend="cpu", respawn="off", launcher=launcher, spare=False,
                       hang_timeout=None)
     return mesh, launcher, time.perf_counter() - t0
 
 
-def measure_sim(n: int, hosts: int, calls: int, profile: bool) -> dict[str, Any]:
-    mesh, launcher, start_s = start_sim(n, hosts)
+def measure_sim(n: int, hosts: int, calls: int, profile: bool,
+                links: bool = True) -> dict[str, Any]:
+    mesh, launcher, start_s = start_sim(n, hosts, links)
     try:
         for _ in range(WARMUP):
             mesh.run(NOOP)
@@ -161,6 +166,7 @@ def measure_sim(n: int, hosts: int, calls: int, profile: bool) -> dict[str, Any]
     finally:
         t0 = time.perf_counter()
         mesh.stop()
+        launcher.close()
         log(f"{n} simulated ranks stopped in {time.perf_counter() - t0:.2f} s")
     # the raw ZeroMQ floor at this size, once the mesh is gone (simranks.floor)
     times, floor_cpu = floor(n, launcher.hosts, m)
@@ -173,7 +179,8 @@ def run_sim(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for n in args.ranks:
         log(f"{n} simulated ranks in {min(args.hosts, n)} host process(es)...")
-        row = measure_sim(n, args.hosts, args.calls, profile=n == args.profile)
+        row = measure_sim(n, args.hosts, args.calls, profile=n == args.profile,
+                          links=not args.zmq)
         rows.append(row)
         log(f"  start {row['start_s']:.2f} s, no-op median {row['median_ms']:.2f} ms, p99 "
             f"{row['p99_ms']:.2f} ms, controller CPU {row['cpu_us_per_rank_call']:.1f} µs/rank/call")
@@ -188,6 +195,8 @@ def run_sim(args: argparse.Namespace) -> list[dict[str, Any]]:
             r["cpu_us_marginal"] = (per_call - prev[1]) / (r["ranks"] - prev[0])
         prev = (r["ranks"], per_call)
     print()
+    print("main channel: " + ("ZeroMQ DEALERs (--zmq: as ranks on other hosts)" if args.zmq else
+                              "links (wire/link.py: as ranks on the controller's host)"))
     print("| ranks (simulated) | host processes | calls | start | no-op median | no-op p99 "
           "| zmq floor median | controller CPU / rank / call | marginal | zmq floor CPU / rank "
           "| controller CPU idle | sim hosts' CPU / rank / call |")
@@ -320,6 +329,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=300, help="timed calls (fewer at many ranks)")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the calls at this N")
     ap.add_argument("--real", type=int, default=0, help="N real CPU ranks instead")
+    ap.add_argument("--zmq", action="store_true",
+                    help="simulated ranks' main channel on ZeroMQ (as remote ranks), not links")
     ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, _sigterm)

@@ -43,6 +43,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -61,6 +62,7 @@ from monarch_nb import config  # noqa: E402
 from monarch_nb.config import RankEnv  # noqa: E402
 from monarch_nb.controller.launchers import Placement, rank_spec  # noqa: E402
 from monarch_nb.wire import serialize  # noqa: E402
+from monarch_nb.wire.link import DROPPED, Link  # noqa: E402
 from monarch_nb.wire.protocol import Codec, Kind  # noqa: E402
 from monarch_nb.wire.transport import dealer, recv_frames, send_frames  # noqa: E402
 
@@ -81,7 +83,13 @@ class SimLauncher:
     hosts: int = 2
     name: str = "sim"
     remote: bool = False
+    # Each rank's main channel is a link (monarch_nb/wire/link.py), as a
+    # real local rank's: the supervisor makes the pair, and its end reaches
+    # the rank's host through a Unix socket (SCM_RIGHTS), just ahead of the
+    # rank's spec line. False (scale.py --zmq): DEALERs, as remote ranks.
+    links: bool = True
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    fd_channels: dict[int, socket.socket] = field(default_factory=dict)
 
     def placement(self, rank: int, world_size: int) -> Placement:
         return Placement("", 0, rank, world_size)
@@ -89,21 +97,35 @@ class SimLauncher:
     def master_addr(self, world_size: int) -> str:
         return "127.0.0.1"
 
-    def start(self, rank: int, env: dict[str, str], log: IO[bytes]) -> subprocess.Popen[bytes]:
+    def start(self, rank: int, env: dict[str, str], log: IO[bytes],
+              pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
         host = rank % self.hosts
         popen = self.procs.get(host)
         if popen is None or popen.poll() is not None:
             # The host's own environment holds no secrets (as ssh's does not):
             # each rank's key arrives in its spec line on stdin.
-            local = {k: v for k, v in env.items() if k not in config.SECRET_ENV}
+            local = {k: v for k, v in env.items()
+                     if k not in config.SECRET_ENV and k != config.ENV_LINK_FD}
             local["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH"))
                                                   if p)
-            popen = subprocess.Popen(
-                [sys.executable, str(HERE / "simranks.py")], env=local, stdin=subprocess.PIPE,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            local[FD_CHANNEL] = str(theirs.fileno())
+            try:
+                popen = subprocess.Popen(
+                    [sys.executable, str(HERE / "simranks.py")], env=local, stdin=subprocess.PIPE,
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+                    pass_fds=(theirs.fileno(),))
+            finally:
+                theirs.close()
             self.procs[host] = popen
+            old = self.fd_channels.pop(host, None)
+            if old is not None:
+                old.close()
+            self.fd_channels[host] = ours
         assert popen.stdin is not None
         try:
+            if pass_fds:  # the rank's end of its link, ahead of its spec
+                socket.send_fds(self.fd_channels[host], [b"f"], list(pass_fds))
             popen.stdin.write(rank_spec(env))
             popen.stdin.flush()
         except OSError:
@@ -113,22 +135,34 @@ class SimLauncher:
     def host_pids(self) -> list[int]:
         return [p.pid for p in self.procs.values()]
 
+    def close(self) -> None:
+        for chan in self.fd_channels.values():
+            chan.close()
+        self.fd_channels.clear()
+
+
+FD_CHANNEL = "SIMRANKS_FD_CHANNEL"  # a host's end of the socket its ranks' link ends come by
+
 
 # -- host side: the simulated ranks -------------------------------------------------------------
 class SimRank:
     """One simulated rank: two sockets, two codecs, what it answers."""
 
     __slots__ = ("rank", "env", "main", "ctl", "main_codec", "ctl_codec", "next_beat", "stopped",
-                 "value")
+                 "value", "link")
 
-    def __init__(self, ctx: zmq.Context, env: RankEnv, now: float) -> None:
+    def __init__(self, ctx: zmq.Context, env: RankEnv, now: float,
+                 link: Link | None = None) -> None:
         self.rank = env.rank
         self.env = env
         self.main_codec = Codec(env.key, f"{env.identity}.main")
         self.ctl_codec = Codec(env.key, f"{env.identity}.ctl")
-        self.main = dealer(ctx, f"{env.identity}.main", env.controller, env.curve)
+        self.link = link
+        self.main = None if link is not None else dealer(ctx, f"{env.identity}.main",
+                                                         env.controller, env.curve)
         self.ctl = dealer(ctx, f"{env.identity}.ctl", env.controller, env.curve)
-        self.main.setsockopt(zmq.LINGER, 0)
+        if self.main is not None:
+            self.main.setsockopt(zmq.LINGER, 0)
         self.ctl.setsockopt(zmq.LINGER, 0)
         self.next_beat = now + HEARTBEAT_S
         self.stopped = False
@@ -142,7 +176,14 @@ class SimRank:
 
     def send_main(self, kind: Kind, payload: list[Any] | None = None, *, call: int = 0,
                   meta: dict[str, Any] | None = None) -> None:
-        send_frames(self.main, self.main_codec.sign(kind, payload or [], call=call, meta=meta))
+        frames = self.main_codec.sign(kind, payload or [], call=call, meta=meta)
+        if self.link is None:
+            assert self.main is not None
+            send_frames(self.main, frames)
+            return
+        if self.link.send(frames):  # the socket is full (rare: answers are small)
+            while self.link.flush():
+                select.select([], [self.link.fd], [], 1.0)
 
     def send_ctl(self, kind: Kind, payload: list[Any] | None = None, *, call: int = 0,
                  meta: dict[str, Any] | None = None) -> None:
@@ -174,18 +215,29 @@ class Host:
         os.set_blocking(self.stdin, False)
         self.epoll.register(self.stdin, select.EPOLLIN)
         self.buffer = b""
+        channel = os.environ.get(FD_CHANNEL)
+        self.fd_channel = socket.socket(fileno=int(channel)) if channel else None
         self.last_ping = time.monotonic()
         self.timeout = 10.0
 
     def add(self, line: bytes) -> None:
         env = RankEnv.from_environ(json.loads(line)["env"])
         self.timeout = env.controller_timeout
-        rank = SimRank(self.ctx, env, time.monotonic())
+        link = None
+        if env.link_fd is not None and self.fd_channel is not None:
+            _, fds, _, _ = socket.recv_fds(self.fd_channel, 1, 1)  # sent just before the spec
+            link = Link(socket.socket(fileno=fds[0]), env.max_message_bytes)
+        rank = SimRank(self.ctx, env, time.monotonic(), link)
         self.ranks.append(rank)
         for sock, main in ((rank.main, True), (rank.ctl, False)):
+            if sock is None:
+                continue
             fd = int(sock.getsockopt(zmq.FD))  # (typed int | bytes: an int for FD)
             self.by_fd[fd] = (rank, main)
             self.epoll.register(fd, select.EPOLLIN)
+        if link is not None:
+            self.by_fd[link.fd] = (rank, True)
+            self.epoll.register(link.fd, select.EPOLLIN)
         rank.hello()
         self.drain(rank, True)
         self.drain(rank, False)
@@ -237,11 +289,28 @@ class Host:
 
     def drain(self, rank: SimRank, main: bool) -> None:
         sock, codec = (rank.main, rank.main_codec) if main else (rank.ctl, rank.ctl_codec)
+        link = rank.link if main else None
         while True:
-            try:
-                frames = recv_frames(sock, zmq.NOBLOCK)
-            except zmq.Again:
-                return
+            if link is not None:
+                got = link.read()
+                if got is None:
+                    if link.closed:  # the controller is gone
+                        rank.stopped = True
+                        self.epoll.unregister(link.fd)
+                        link.close()
+                        rank.link = None
+                    return
+                if got is DROPPED:
+                    self.dropped[link.refused] += 1
+                    continue
+                frames: list[Any] = got  # type: ignore[assignment]
+            else:
+                if sock is None:
+                    return
+                try:
+                    frames = recv_frames(sock, zmq.NOBLOCK)
+                except zmq.Again:
+                    return
             try:
                 msg = codec.verify(frames)  # signature, then replay, then parse
             except Exception as exc:  # ProtocolError: counted and dropped, as a rank does
@@ -250,7 +319,7 @@ class Host:
             kind = msg.kind
             if kind is Kind.CALL:
                 # A real rank's RESULT for a no-op returning None: one frame, no meta.
-                send_frames(sock, codec.sign(Kind.RESULT, (), call=msg.call))
+                rank.send_main(Kind.RESULT, call=msg.call)
             elif kind is Kind.EXEC:
                 rank.send_main(Kind.RESULT, rank.value, call=msg.call)
             elif kind is Kind.PING:

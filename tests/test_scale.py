@@ -29,11 +29,14 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_simulated_ranks_answer_every_call_and_leave_nothing_behind() -> None:
-    launcher = SimLauncher(hosts=HOSTS)
+@pytest.mark.parametrize("links", [True, False], ids=["links", "zmq"])
+def test_simulated_ranks_answer_every_call_and_leave_nothing_behind(links: bool) -> None:
+    launcher = SimLauncher(hosts=HOSTS, links=links)
     mesh = Mesh.start(n=N, backend="cpu", respawn="off", launcher=launcher, spare=False,
                       hang_timeout=None)
     try:
+        # main channels: every rank's link (as real local ranks), or DEALERs
+        assert mesh._ctl.io.links == (N if links else 0)
         pids = launcher.host_pids()
         assert len(pids) == HOSTS  # N ranks in a few processes, not N processes
         status = mesh.status()
@@ -49,6 +52,7 @@ def test_simulated_ranks_answer_every_call_and_leave_nothing_behind() -> None:
         assert mesh.dropped == {}  # every message signed and verified, none refused
     finally:
         mesh.stop()
+        launcher.close()
     assert not mesh.running
     wait_for(lambda: all(_gone(pid) for pid in pids), timeout=10, what="host processes to exit")
     assert all(p.poll() is not None for p in launcher.procs.values())

@@ -36,6 +36,7 @@ import errno
 import logging
 import math
 import os
+import select
 import socket
 import threading
 import time
@@ -187,9 +188,15 @@ class IOLoop:
         self._links: dict[bytes, Link] = {}
         self._link_fds: dict[int, tuple[bytes, Link]] = {}
         self.max_message_bytes = max_message_bytes
+        # Pidfds and links (one each per rank) wait in one epoll set, which
+        # is a single entry of ZeroMQ's poll: zmq_poll walks every entry on
+        # every turn, which at hundreds of ranks cost more than the messages.
+        self._epoll = select.epoll()
+        self._epoll_fd = self._epoll.fileno()
         self._poller = zmq.Poller()
         self._poller.register(self.router, zmq.POLLIN)
         self._poller.register(self._wake_fd, zmq.POLLIN)
+        self._poller.register(self._epoll_fd, zmq.POLLIN)
         if self.zap is not None:
             self._poller.register(self.zap, zmq.POLLIN)
         self._stopping = False
@@ -218,7 +225,7 @@ class IOLoop:
 
         def add() -> None:
             self._fds[fd] = callback
-            self._poller.register(fd, zmq.POLLIN)
+            self._watch(fd, select.EPOLLIN)
 
         self.call_soon(add)
 
@@ -234,7 +241,8 @@ class IOLoop:
             if self._links.get(ident) is not link:  # already gone again
                 return
             self._link_fds[link.fd] = (ident, link)
-            self._poller.register(link.fd, _POLLIN | _POLLOUT if link.waiting else _POLLIN)
+            self._fds.pop(link.fd, None)  # a closed pidfd's number, taken again
+            self._watch(link.fd, _EPOLL_IN_OUT if link.waiting else select.EPOLLIN)
 
         self.call_soon(watch)
 
@@ -319,7 +327,7 @@ class IOLoop:
                 link = links.get(ident)
                 if link is not None:  # a local rank's link (link.py)
                     if link.send(frames):  # the socket is full: the rest waits for room
-                        self._poller.register(link.fd, _POLLIN | _POLLOUT)
+                        self._watch(link.fd, _EPOLL_IN_OUT)
                     continue
             if small is None:
                 small = [isinstance(f, bytes) or memoryview(f).nbytes < _COPY_BELOW for f in frames]
@@ -355,15 +363,15 @@ class IOLoop:
             self._answer_zap()
         if self.router in events:
             self._drain_router(until)
-        if len(events) > (self.router in events) + (self._wake_fd in events):
+        if self._epoll_fd in events:
             link_fds, fds = self._link_fds, self._fds
-            for fd, ev in events.items():
+            for fd, ev in self._epoll.poll(0, 4096):
                 found = link_fds.get(fd)
                 if found is not None:
                     self._serve_link(found[0], found[1], ev, until)
                 elif fd in fds:
                     callback = fds.pop(fd)
-                    self._poller.unregister(fd)
+                    self._unwatch(fd)
                     self._guard(callback)
         now = time.monotonic()
         tick = self._on_tick
@@ -471,9 +479,9 @@ class IOLoop:
                     until: Callable[[], bool] | None) -> None:
         """A local rank's link is readable (or writable again): the same
         verification and handler as a message from the ROUTER."""
-        if events & _POLLOUT and not link.flush():
-            self._poller.register(link.fd, _POLLIN)  # all sent: stop watching for room
-        if events & _POLLIN_ERR:
+        if events & select.EPOLLOUT and not link.flush():
+            self._watch(link.fd, select.EPOLLIN)  # all sent: stop watching for room
+        if events & _EPOLL_IN_ERR:
             verify, on_message = self.codec.verify, self._on_message
             sender = self._ident_str(ident)
             for _ in range(1000):  # bounded, as the ROUTER's drain
@@ -501,8 +509,18 @@ class IOLoop:
         if self._links.get(ident) is link:
             del self._links[ident]
         if self._link_fds.pop(link.fd, None) is not None:
-            self._poller.unregister(link.fd)
+            self._unwatch(link.fd)
         link.close()
+
+    def _watch(self, fd: int, events: int) -> None:
+        try:
+            self._epoll.register(fd, events)
+        except FileExistsError:
+            self._epoll.modify(fd, events)
+
+    def _unwatch(self, fd: int) -> None:
+        with contextlib.suppress(OSError):  # closed already: epoll forgot it itself
+            self._epoll.unregister(fd)
 
     def _ident_str(self, ident: bytes) -> str:
         text = self._idents.get(ident)
@@ -551,6 +569,7 @@ class IOLoop:
             link.close()
         self._links.clear()
         self._link_fds.clear()
+        self._epoll.close()
         self.router.close(linger=0)
         if self.zap is not None:
             self.zap.close(linger=0)
@@ -561,10 +580,8 @@ class IOLoop:
         self.ctx.term()
 
 
-# plain ints: pyzmq's flags are IntFlag members, and their & and | go
-# through enum machinery (measurable per message)
-_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
-_POLLIN_ERR = int(zmq.POLLIN) | int(zmq.POLLERR)
+_EPOLL_IN_OUT = select.EPOLLIN | select.EPOLLOUT
+_EPOLL_IN_ERR = select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _COPY_BELOW = 64 * 1024
