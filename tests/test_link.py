@@ -154,10 +154,16 @@ def test_every_local_rank_talks_over_its_link(mesh4: Mesh) -> None:
 
 
 def test_values_of_several_packets_go_both_ways(mesh4: Mesh) -> None:
+    assert mesh4._ctl.dataplane.threshold == 1 << 20  # (the values below stay under it)
     arr = np.arange(200_000, dtype=np.float32)  # 800 KB: below the shared-memory threshold
     out = mesh4[1].run(lambda a: a * 2, arr)[1]
     np.testing.assert_array_equal(out, arr * 2)
-    code = "x = 1\n" + "# padding\n" * 20_000  # a 200 KB cell: its header spans packets
+    # to every rank at once: more than the sockets take, so the controller
+    # queues packets and waits for room (EPOLLOUT) while the ranks read
+    big = np.arange(240_000, dtype=np.float32)  # 960 KB each: still below shared memory
+    mesh4.push(big=big)
+    assert mesh4.exec("float(big.sum())").values_list() == [float(big.sum())] * 4
+    code = "x = 1\n" + "# padding\n" * 20_000  # a 200 KB cell: its code spans packets
     mesh4.exec(code)
     assert mesh4.run(lambda: 1).values_list() == [1] * 4
 

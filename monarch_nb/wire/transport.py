@@ -224,8 +224,12 @@ class IOLoop:
         the process exited). The registration is removed first."""
 
         def add() -> None:
+            try:
+                self._watch(fd, select.EPOLLIN)
+            except OSError:  # closed already (the process was reaped): say so now
+                callback()
+                return
             self._fds[fd] = callback
-            self._watch(fd, select.EPOLLIN)
 
         self.call_soon(add)
 
