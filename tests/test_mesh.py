@@ -377,6 +377,22 @@ def test_stop_leaves_no_process_and_refuses_calls() -> None:
     mesh.stop()  # idempotent
 
 
+def test_stop_after_a_ctrl_c_left_the_sockets_with_this_thread() -> None:
+    """A Ctrl-C can land between a caller taking the sockets (the I/O
+    loop's lead) and the ``try`` that gives them back: the I/O thread then
+    waited for them for ever, the STOPs never left, and the process hung at
+    exit (a script launcher's Ctrl-C, now and then). stop gives them back
+    first: the ranks leave on their STOP (exit 0), not by SIGKILL."""
+    mesh = Mesh.start(n=2, backend="cpu", spare=False)
+    procs = list(mesh._ctl.supervisor.procs.values())
+    mesh._ctl.io.lead()  # taken, never given back: what the interrupt left
+    mesh._ctl.io.lead()  # (twice: an RLock held at two levels)
+    mesh.stop()
+    assert [p.popen.wait(5) for p in procs] == [0, 0]  # their STOP arrived
+    assert not mesh._ctl.io.thread.is_alive()  # the I/O thread ended and closed the sockets
+    assert mesh._ctl.io.router.closed
+
+
 def test_controller_killed_with_sigkill_takes_its_ranks_along(tmp_path) -> None:
     script = tmp_path / "controller.py"
     script.write_text(textwrap.dedent("""

@@ -239,6 +239,7 @@ class Controller:
             return
         self.stopped = True
         self.recovery.stopped = True
+        self.io.give_back()  # a Ctrl-C that left the sockets with this thread
         if self.io.thread.is_alive():
             done = threading.Event()
 

@@ -279,7 +279,8 @@ class IOLoop:
             self.unlead()
 
     def lead(self) -> None:
-        """Take the sockets (see :meth:`leadership`); pair with :meth:`unlead`."""
+        """Take the sockets (see :meth:`leadership`); pair with :meth:`unlead`.
+        A Ctrl-C while waiting for them leaves them with their owner."""
         lead = self._lead
         if not lead.acquire(blocking=False):
             with self._want_lock:
@@ -287,13 +288,31 @@ class IOLoop:
             try:
                 os.eventfd_write(self._wake_fd, 1)
                 lead.acquire()
-            finally:
                 with self._want_lock:
                     self._want -= 1
+            except BaseException:
+                # (the interrupt may land right after the lock was taken)
+                if lead._is_owned():  # type: ignore[attr-defined]
+                    lead.release()
+                with self._want_lock:
+                    self._want -= 1
+                raise
+
+    def give_back(self) -> None:
+        """Release every hold this thread has on the sockets. A Ctrl-C can
+        land between taking them and the ``try`` that gives them back;
+        stopping calls this first, so the I/O thread can send the STOPs and
+        close the sockets (it would wait for them for ever)."""
+        if threading.current_thread() is self.thread:
+            return  # the I/O thread's own hold ends with its loop
+        lead = self._lead
+        while lead._is_owned():  # type: ignore[attr-defined]
+            self.unlead()
 
     def unlead(self) -> None:
         self._released_at = time.monotonic()
-        self._lead.release()
+        if self._lead._is_owned():  # type: ignore[attr-defined]  # (give_back may have)
+            self._lead.release()
 
     @property
     def stopping(self) -> bool:
