@@ -4,7 +4,7 @@ When a member dies and is replaced, the controller sends the survivors a
 REFORM (a new generation, a new store port). :class:`Membership` leaves the
 old group and joins the new one, on the main thread, between calls or
 inside a call that waits for it (``mnb.elastic``: :meth:`await_reform`).
-It owns the messages of the main socket read ahead meanwhile
+It owns the messages of the main channel read ahead meanwhile
 (:attr:`pending`), which the worker serves first, in order, once the call
 is over.
 
@@ -38,7 +38,7 @@ SUPERSEDE_GRACE_S = 1.0  # after a failed join, how long a newer REFORM may take
 
 
 class Membership:
-    """Joins and leaves for one rank; reads its main socket only while it
+    """Joins and leaves for one rank; reads its main channel only while it
     waits for a REFORM (the worker reads it otherwise)."""
 
     def __init__(self, env: RankEnv, channel: MainChannel, codec: Codec,
@@ -111,7 +111,7 @@ class Membership:
                 msg = newest
 
     def newer_reform(self, generation: int) -> bool:
-        """Anything on the main socket is kept in order; True if a REFORM
+        """Anything on the main channel is kept in order; True if a REFORM
         newer than ``generation`` or a STOP is among it."""
         while self.channel.poll(0):
             got = self.channel.recv(self.codec, self.dropped)

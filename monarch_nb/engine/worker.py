@@ -2,7 +2,8 @@
 
 Two threads:
 
-* the **main thread** owns the ``main`` DEALER socket: it receives CALL/EXEC
+* the **main thread** owns the ``main`` channel (a local rank's link to its
+  controller, wire/link.py; else a DEALER socket): it receives CALL/EXEC
   messages, runs user code in the rank's persistent namespace (signals, CUDA
   and torch.distributed all want the main thread) and sends the RESULT;
 * the **control thread** owns the ``ctl`` DEALER socket: heartbeats, controller

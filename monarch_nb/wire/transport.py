@@ -13,10 +13,13 @@ failures are counted in :attr:`IOLoop.dropped` by reason and discarded. The
 routing identity must equal the signed sender id, so a key holder cannot
 impersonate another rank's socket either.
 
-Rank side: two DEALER sockets per rank process (see worker.py): ``main`` for
+Rank side: two channels per rank process (see worker.py): ``main`` for
 calls and results, used only by the main thread, and ``ctl`` for heartbeats,
 interrupts and output, used only by the control thread. Keeping them apart
-means a rank stuck in a collective still answers on ``ctl``.
+means a rank stuck in a collective still answers on ``ctl``. ``ctl`` is a
+DEALER; ``main`` is one too for a remote rank, and a link (link.py: a Unix
+socket pair, no ZeroMQ thread on the call path) for a local one, which the
+loop here serves beside the ROUTER, from one epoll set with the pidfds.
 
 Encryption: a non-loopback mesh uses CurveZMQ (:class:`CurveKeys`): the
 ROUTER is a Curve server with a key pair made for this mesh, and a ZAP handler
@@ -238,8 +241,15 @@ class IOLoop:
         over ``sock``, its end of a socket pair (link.py), and what comes
         in on it is verified as sent by ``ident``. Thread-safe: sends take
         the link at once, reading starts at the loop's next turn."""
+        if self._stopping:  # a respawn racing stop: nothing will read it
+            sock.close()
+            return
         link = Link(sock, self.max_message_bytes)
         self._links[ident] = link
+        if self.router.closed:  # closed meanwhile (stop's last step)
+            self._links.pop(ident, None)
+            link.close()
+            return
 
         def watch() -> None:
             if self._links.get(ident) is not link:  # already gone again
