@@ -230,6 +230,9 @@ class _Supervisor:
     def start_spare(self) -> None:
         pass
 
+    def forget_dead_spare(self) -> None:
+        pass
+
 
 @dataclass
 class _IO:

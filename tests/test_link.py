@@ -233,6 +233,17 @@ def test_a_killed_ranks_link_is_closed_and_its_successor_gets_a_new_one() -> Non
     assert [end.fileno() for end in ends] == [-1] * len(ends)  # stop closed every end
 
 
+def test_a_dead_spares_link_is_closed() -> None:
+    with Mesh.start(n=1, backend="cpu") as mesh:
+        sup = mesh._ctl.supervisor
+        wait_for(lambda: sup.spare_link is not None, timeout=60, what="a spare with its link")
+        assert sup.spare_link is not None and sup.spare is not None
+        end, spare = sup.spare_link[0], sup.spare
+        spare.kill()  # out of memory, say
+        wait_for(lambda: end.fileno() == -1, timeout=30, what="the dead spare's link to close")
+        assert mesh.run(lambda: 1).values_list() == [1]
+
+
 def test_local_link_off_puts_every_rank_on_zeromq() -> None:
     with Mesh.start(n=2, backend="cpu", local_link=False, spare=False) as mesh:
         assert mesh._ctl.io.links == 0

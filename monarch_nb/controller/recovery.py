@@ -382,8 +382,7 @@ class Recovery:
         once while a dead rank waits out its respawn backoff: that wait is
         idle time, and the spare, however far it got, becomes that rank."""
         sup = self.supervisor
-        if sup.spare is not None and sup.spare.poll() is not None:
-            sup.spare = None  # it died (out of memory?); another one later
+        sup.forget_dead_spare()  # a spare that died (out of memory?): another one later
         if not (self.cfg.spare and self.started and not self.stopped and sup.spare is None):
             return
         if self.policy.next_deadline() is not None or (

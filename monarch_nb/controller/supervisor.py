@@ -197,6 +197,17 @@ class Supervisor:
         """Local ranks get a link (wire/link.py) as their main channel."""
         return self.local_links and getattr(self.launcher, "links", False) is True
 
+    def forget_dead_spare(self) -> None:
+        """A spare that died (out of memory?) is no spare: forget it and
+        close our end of its link."""
+        with self._lock:
+            if self.spare is None or self.spare.poll() is None:
+                return
+            self.spare = None
+            spare_link, self.spare_link = self.spare_link, None
+        if spare_link is not None:
+            spare_link[0].close()
+
     def spare_ready(self) -> bool:
         """A spare is waiting with torch imported (the next respawn is fast)."""
         return (self.spare is not None and self.spare.poll() is None
