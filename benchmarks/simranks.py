@@ -62,9 +62,10 @@ from monarch_nb import config  # noqa: E402
 from monarch_nb.config import RankEnv  # noqa: E402
 from monarch_nb.controller.launchers import Placement, rank_spec  # noqa: E402
 from monarch_nb.wire import serialize  # noqa: E402
+from monarch_nb.wire.channels import dealer, recv_frames  # noqa: E402
 from monarch_nb.wire.link import DROPPED, Link  # noqa: E402
 from monarch_nb.wire.protocol import Codec, Kind  # noqa: E402
-from monarch_nb.wire.transport import dealer, recv_frames, send_frames  # noqa: E402
+from monarch_nb.wire.transport import send_frames  # noqa: E402
 
 HEARTBEAT_S = 0.5  # as engine/worker.py
 SWEEP_S = 0.05  # how often a host looks for heartbeats due (and a silent controller)

@@ -40,9 +40,10 @@ from ..config import LOOPBACK, MeshConfig
 from ..errors import MonarchError, RemoteError
 from ..futures import MeshFuture
 from ..wire import chunks, gpuipc, serialize, shm
+from ..wire.endpoints import CurveKeys
 from ..wire.metricframes import decode as decode_metrics
 from ..wire.protocol import Codec, Kind, Message, new_key
-from ..wire.transport import CurveKeys, IOLoop
+from ..wire.transport import IOLoop
 from . import liveness, logdirs
 from .calls import Caller
 from .calltable import CallTable, PendingCall
@@ -74,7 +75,7 @@ class Controller:
         self.key = new_key()
         self.mesh_id = secrets.token_hex(4)
         self.codec = Codec(self.key, "controller", max_bytes=cfg.max_message_bytes)
-        # Non-loopback: CurveZMQ with this mesh's keys (transport.CurveKeys).
+        # Non-loopback: CurveZMQ with this mesh's keys (wire/endpoints.py).
         self.curve = CurveKeys.generate() if cfg.encrypted else None
         if cfg.bind not in LOOPBACK and not cfg.encrypted:
             log.warning("monarch_nb: INSECURE: encryption is off on non-loopback bind %r; "

@@ -33,7 +33,7 @@ from typing import Any
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MACHINERY = tuple(os.path.join(_PACKAGE, f) for f in (
     "worker.py", "engine/worker.py", "wire/serialize.py", "engine/debug.py", "wire/transport.py",
-    "wire/link.py",  # a local rank waits for its next call there
+    "wire/link.py", "wire/channels.py",  # a rank waits for its next call there
     "engine/flightrec.py",  # the recorder's wrapper around each collective
     "engine/membership.py"))  # joins and leaves (mnb.elastic waits there)
 CONTROL_THREAD = "monarch-nb-control"

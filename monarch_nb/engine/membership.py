@@ -30,8 +30,8 @@ from collections.abc import Callable
 from ..backends import JoinAborted, JoinFailed, init_group, leave_group
 from ..config import RankEnv
 from ..errors import is_peer_loss
+from ..wire.channels import MainChannel
 from ..wire.protocol import Codec, Kind, Message
-from ..wire.transport import MainChannel
 from . import context as _context
 
 SUPERSEDE_GRACE_S = 1.0  # after a failed join, how long a newer REFORM may take to arrive

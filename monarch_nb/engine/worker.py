@@ -45,10 +45,11 @@ from .. import config
 from ..backends import init_group, keep_links_to, native_crash_stacks
 from ..config import RankEnv
 from ..wire import chunks, gpuipc, serialize, shm
-from ..wire.link import Link, LinkChannel
+from ..wire.channels import LinkChannel, MainChannel, SocketChannel, dealer, recv_verified
+from ..wire.link import Link
 from ..wire.metricframes import encode as encode_metrics
 from ..wire.protocol import Codec, Kind, Message
-from ..wire.transport import MainChannel, SocketChannel, dealer, recv_verified, send_frames
+from ..wire.transport import send_frames
 from . import context as _context
 from . import debug, flightrec, metrics, pgcompat, spare
 from .capture import OutputBuffer, RankStream

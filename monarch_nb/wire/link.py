@@ -40,9 +40,6 @@ import socket
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..errors import ProtocolError
-from .protocol import Codec, Message
-
 PACKET_BYTES = 64 * 1024  # data per packet (the kernel's default buffer holds three)
 MORE_PACKETS = 1
 MORE_FRAMES = 2
@@ -281,34 +278,4 @@ class Link:
             pass
 
 
-class LinkChannel:
-    """A local rank's main channel over its end of the link (see
-    transport.SocketChannel for the same over a DEALER). Main thread only."""
-
-    def __init__(self, link: Link) -> None:
-        self.link = link
-
-    def poll(self, timeout_ms: int) -> bool:
-        return self.link.poll(timeout_ms)
-
-    def recv(self, codec: Codec, dropped: collections.Counter[str]) -> Message | None:
-        """Wait for a message and verify it; None (and counted) if it fails.
-        EOFError once the controller's end is gone."""
-        frames = self.link.recv()
-        if frames is DROPPED:
-            dropped[self.link.refused] += 1
-            return None
-        try:
-            return codec.verify(frames)
-        except ProtocolError as exc:
-            dropped[exc.reason] += 1
-            return None
-
-    def send(self, frames: Sequence[Any]) -> None:
-        self.link.send_blocking(frames)
-
-    def close(self) -> None:
-        self.link.close()
-
-
-__all__ = ["DROPPED", "PACKET_BYTES", "Assembler", "Link", "LinkChannel", "packets", "pair"]
+__all__ = ["DROPPED", "PACKET_BYTES", "Assembler", "Link", "packets", "pair"]

@@ -13,15 +13,12 @@ failures are counted in :attr:`IOLoop.dropped` by reason and discarded. The
 routing identity must equal the signed sender id, so a key holder cannot
 impersonate another rank's socket either.
 
-Rank side: two channels per rank process (see worker.py): ``main`` for
-calls and results, used only by the main thread, and ``ctl`` for heartbeats,
-interrupts and output, used only by the control thread. Keeping them apart
-means a rank stuck in a collective still answers on ``ctl``. ``ctl`` is a
-DEALER; ``main`` is one too for a remote rank, and a link (link.py: a Unix
-socket pair, no ZeroMQ thread on the call path) for a local one, which the
-loop here serves beside the ROUTER, from one epoll set with the pidfds.
+Rank side: channels.py (a ``ctl`` DEALER per rank, and a ``main`` channel
+that is a DEALER for a remote rank and a link, link.py, for a local one,
+which the loop here serves beside the ROUTER, from one epoll set with the
+pidfds).
 
-Encryption: a non-loopback mesh uses CurveZMQ (:class:`CurveKeys`): the
+Encryption: a non-loopback mesh uses CurveZMQ (endpoints.CurveKeys): the
 ROUTER is a Curve server with a key pair made for this mesh, and a ZAP handler
 on the same I/O thread (an inproc REP socket in the poll, so no extra thread)
 admits only clients whose public key is on the allow-list. A peer without the
@@ -44,15 +41,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 from zmq.utils import z85
 
-from .. import config
 from ..errors import ProtocolError, UsageError, no_free_port
-from .link import DROPPED, Link, LinkChannel
+from .endpoints import ZAP_ENDPOINT, CurveKeys, bind_host
+from .link import DROPPED, Link
 from .protocol import Codec, Message
 
 log = logging.getLogger(__name__)
@@ -64,71 +60,6 @@ MessageHandler = Callable[[bytes, Message], None]
 # heartbeats or output are at most this late.
 LINGER_S = 0.005
 BUSY_RETRY_S = 0.02
-
-
-ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks who may connect
-
-
-@dataclass(frozen=True)
-class CurveKeys:
-    """One mesh's CurveZMQ keys (Z85 text): the controller's server pair and
-    the client pair its ranks use. The client public key is what the ZAP
-    handler allows; the secrets never leave the controller except in a rank's
-    environment or 0600 key file."""
-
-    server_public: bytes
-    server_secret: bytes
-    client_public: bytes
-    client_secret: bytes
-
-    @classmethod
-    def generate(cls) -> CurveKeys:
-        server_public, server_secret = zmq.curve_keypair()
-        client_public, client_secret = zmq.curve_keypair()
-        return cls(server_public, server_secret, client_public, client_secret)
-
-    def rank_env(self) -> dict[str, str]:
-        """What a rank needs to connect (the server secret is not in it)."""
-        return {config.ENV_CURVE_SERVER: self.server_public.decode(),
-                config.ENV_CURVE_PUBLIC: self.client_public.decode(),
-                config.ENV_CURVE_SECRET: self.client_secret.decode()}
-
-
-def _bind_host(bind: str) -> tuple[str, str]:
-    """(address to bind, address ranks connect to) for a ``bind`` option."""
-    if bind == "localhost":
-        return "127.0.0.1", "127.0.0.1"
-    if bind == "::1":
-        return "[::1]", "[::1]"
-    if bind in ("*", "0.0.0.0", "::"):
-        # every interface; ranks connect to the address this host's name has
-        return "*", _host_address()
-    try:
-        infos = socket.getaddrinfo(bind, None, socket.AF_UNSPEC, socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise UsageError(f"bind address {bind!r} does not resolve: {exc}") from None
-    addr = str(infos[0][4][0])
-    host = f"[{addr}]" if ":" in addr else addr
-    return host, host
-
-
-def _host_address() -> str:
-    """This host's address for other hosts: its name's address, unless that
-    is loopback (Debian maps the name to 127.0.1.1), then the address of the
-    interface of the default route (a UDP connect sends nothing)."""
-    name = socket.gethostname()
-    try:
-        addr = socket.gethostbyname(name)
-    except OSError:
-        addr = "127.0.0.1"
-    if not addr.startswith("127."):
-        return addr
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("192.0.2.255", 9))  # TEST-NET: only the routing table is asked
-            return str(s.getsockname()[0])
-    except OSError:
-        return addr
 
 
 class IOLoop:
@@ -168,7 +99,7 @@ class IOLoop:
             self.router.curve_secretkey = curve.server_secret
             self.router.curve_publickey = curve.server_public
             self.router.setsockopt(zmq.ZAP_DOMAIN, b"monarch-nb")
-        host, advertised = _bind_host(bind)
+        host, advertised = bind_host(bind)
         if ":" in host:
             self.router.setsockopt(zmq.IPV6, 1)
         try:
@@ -460,8 +391,7 @@ class IOLoop:
             self._guard(commands.popleft())
 
     def _drain_router(self, until: Callable[[], bool] | None = None) -> None:
-        recv = self.router.recv
-        verify, on_message = self.codec.verify, self._on_message
+        recv, deliver = self.router.recv, self._deliver
         idents = self._idents
         # Bounded so commands and ticks are not starved. Frames are read one
         # by one because a Frame knows whether more follow: recv_multipart
@@ -485,17 +415,23 @@ class IOLoop:
             sender = idents.get(ident)
             if sender is None:
                 sender = self._ident_str(ident)
-            try:
-                msg = verify(frames, expected_sender=sender)
-            except Exception as exc:  # never let a message kill the I/O thread
-                self._drop(ident, exc)
-                continue
-            try:
-                on_message(ident, msg)
-            except Exception:  # as _guard, inlined: this runs for every message
-                log.exception("monarch_nb I/O thread handler failed")
+            deliver(ident, sender, frames)
             if until is not None and until():
                 return
+
+    def _deliver(self, ident: bytes, sender: str, frames: list[Any]) -> None:
+        """Verify a message from ``sender`` (the ROUTER's routing id, or the
+        link's rank) and hand it to the controller; one that fails is
+        counted and dropped, before anything reads it."""
+        try:
+            msg = self.codec.verify(frames, expected_sender=sender)
+        except Exception as exc:  # never let a message kill the I/O thread
+            self._drop(ident, exc)
+            return
+        try:
+            self._on_message(ident, msg)
+        except Exception:  # as _guard, inlined: this runs for every message
+            log.exception("monarch_nb I/O thread handler failed")
 
     def _drop(self, ident: bytes, exc: Exception) -> None:
         """Count (and rarely log) a message that failed verification."""
@@ -515,7 +451,6 @@ class IOLoop:
         if events & select.EPOLLOUT and not link.flush():
             self._watch(link.fd, select.EPOLLIN)  # all sent: stop watching for room
         if events & _EPOLL_IN_ERR:
-            verify, on_message = self.codec.verify, self._on_message
             sender = self._ident_str(ident)
             for _ in range(1000):  # bounded, as the ROUTER's drain
                 frames = link.read()
@@ -524,15 +459,7 @@ class IOLoop:
                 if frames is DROPPED:
                     self._drop(ident, ProtocolError(link.refused, "on a local link"))
                     continue
-                try:
-                    msg = verify(frames, expected_sender=sender)
-                except Exception as exc:
-                    self._drop(ident, exc)
-                    continue
-                try:
-                    on_message(ident, msg)
-                except Exception:
-                    log.exception("monarch_nb I/O thread handler failed")
+                self._deliver(ident, sender, frames)  # type: ignore[arg-type]
                 if until is not None and until():
                     break
         if link.closed:  # the rank's process is gone (its pidfd reports the death)
@@ -646,67 +573,4 @@ def pidfd_open(pid: int) -> int | None:
         return None
 
 
-def dealer(ctx: zmq.Context, identity: str, endpoint: str,
-           curve: tuple[bytes, bytes, bytes] | None = None) -> zmq.Socket:
-    """A rank-side DEALER connected to the controller; ``curve`` = (server
-    public, own public, own secret) keys for an encrypted mesh."""
-    sock = ctx.socket(zmq.DEALER)
-    if curve is not None:
-        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve
-    sock.setsockopt(zmq.IDENTITY, identity.encode())
-    sock.setsockopt(zmq.LINGER, 2000)  # let the last result leave on exit
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.IMMEDIATE, 0)
-    sock.connect(endpoint)
-    return sock
-
-
-def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
-    """``recv_multipart(copy=False)`` without a getsockopt per frame."""
-    frame = sock.recv(flags, copy=False)
-    frames = [frame]
-    while frame.more:
-        frame = sock.recv(flags, copy=False)
-        frames.append(frame)
-    return frames
-
-
-class SocketChannel:
-    """A rank's main channel over its DEALER (a remote or joined rank; a
-    local one uses its link: link.LinkChannel). Main thread only."""
-
-    def __init__(self, sock: zmq.Socket[Any]) -> None:
-        self.sock = sock
-
-    def poll(self, timeout_ms: int) -> bool:
-        return bool(self.sock.poll(timeout_ms))
-
-    def recv(self, codec: Codec, dropped: collections.Counter[str]) -> Message | None:
-        return recv_verified(self.sock, codec, dropped)
-
-    def send(self, frames: Sequence[Any]) -> None:
-        if len(frames) == 1:  # one frame: no send_frames loop
-            socket_send(self.sock, frames[0])
-        else:
-            send_frames(self.sock, frames)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-MainChannel = SocketChannel | LinkChannel  # a rank's main channel, either way
-
-
-def recv_verified(sock: zmq.Socket, codec: Codec, dropped: collections.Counter[str]) -> Message | None:
-    """Receive one message and verify it; None (and counted) if it fails."""
-    frames = recv_frames(sock)
-    try:
-        return codec.verify(frames)
-    except ProtocolError as exc:
-        dropped[exc.reason] += 1
-        return None
-
-
-__all__ = ["CurveKeys", "IOLoop", "MainChannel", "SocketChannel", "dealer", "pidfd_open", "recv_frames", "recv_verified", "socket_send",
-           "send_frames"]
+__all__ = ["IOLoop", "pidfd_open", "send_frames", "socket_send"]
