@@ -5,7 +5,7 @@
 #   make extension  rebuild the JupyterLab extension (extension/) after edits
 #   make test    run the test suite and the example notebooks (nbval)
 #   make notebooks  re-create and re-execute notebooks/ (scripts/notebook_sources.py)
-#   make lint    ruff + mypy + import-linter (the layer contracts in pyproject.toml)
+#   make lint    ruff + mypy + import-linter (the contracts in pyproject.toml) + no import cycle
 #   make bench   benchmarks (installs the `bench` extra first)
 #   make gpu-check  the GPU checks on a CUDA or ROCm machine (skipped cleanly without a GPU)
 #   make clean   caches and build output (`make distclean` also drops .venv)
@@ -125,6 +125,7 @@ lint: venv
 	$(PY) -m ruff check monarch_nb tests benchmarks scripts
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
+	$(PY) scripts/check_cycles.py
 
 clean:
 	rm -rf build dist out *.egg-info .pytest_cache .mypy_cache .ruff_cache \

@@ -13,12 +13,18 @@ Rank side (inside ``%%monarch`` cells and functions sent with ``mesh.run``)::
     mnb.log(loss=0.3)   # feeds the live dashboard (non-blocking)
 
 In IPython: ``%load_ext monarch_nb`` adds ``%monarch`` and ``%%monarch``.
+
+A rank process imports this package too (``python -m monarch_nb.worker``), so
+the root imports only the rank side and the shared base eagerly; the
+controller-side names (``Mesh``, ``SubMesh``, ``RankResults``) are loaded on
+first use (PEP 562). A rank therefore never loads the controller or the front
+ends (a contract in pyproject.toml, tests/test_layers.py).
 """
 
 from __future__ import annotations
 
-import atexit
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from . import chaos, elastic
 from .engine.context import device, incarnation, local_rank, rank, world_size
@@ -34,7 +40,10 @@ from .errors import (
     UsageError,
 )
 from .futures import MeshFuture
-from .mesh import Mesh, RankResults, SubMesh, stop_all
+
+if TYPE_CHECKING:
+    from .mesh import Mesh, SubMesh
+    from .results import RankResults
 
 __version__ = "0.1.0"
 
@@ -46,9 +55,23 @@ __all__ = [
     "load_ipython_extension", "unload_ipython_extension",
 ]
 
-# Kernel shutdown and restart end the interpreter normally: stop ranks then.
-# (A SIGKILLed kernel is covered by the ranks' parent-death signal.)
-atexit.register(stop_all)
+# Names loaded on first use, and the module that defines each. (The atexit
+# stop of live meshes is registered where a mesh is made: mesh.py.)
+_LAZY = {"Mesh": "monarch_nb.mesh", "SubMesh": "monarch_nb.mesh",
+         "RankResults": "monarch_nb.results"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'monarch_nb' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def load_ipython_extension(ipython: Any) -> None:

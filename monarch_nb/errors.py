@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .rankspans import format_ranks
+
 
 class MonarchError(Exception):
     """Base class of every monarch_nb error."""
@@ -286,12 +288,6 @@ def is_peer_loss(text: str) -> bool:
     (gloo: 'Connection closed by peer' within ~0.2 s of a SIGKILL.)"""
     low = text.lower()
     return any(s in low for s in _PEER_LOSS)
-
-
-def format_ranks(ranks: Iterable[int]) -> str:
-    from .selection import format_ranks as fmt  # selection imports this module
-
-    return fmt(ranks)
 
 
 def _strip_rank(err: BaseException) -> str:

@@ -17,6 +17,7 @@ Non-goals: sockets and rank bookkeeping (controller.py), parsing (magics.py).
 from __future__ import annotations
 
 import ast
+import atexit
 import concurrent.futures
 import itertools
 import json
@@ -326,6 +327,8 @@ class Mesh(_RankSet):
             ctl.stop(grace=1.0)
             raise
         mesh = cls(ctl)
+        if not _live_meshes and not _atexit_registered:
+            _register_stop_at_exit()
         _live_meshes[mesh] = None
         return mesh
 
@@ -453,7 +456,9 @@ class Mesh(_RankSet):
     def dashboard(self) -> Any:
         """The live dashboard widget (one per mesh; display it in a cell).
         Plain-text front ends show the status table instead."""
-        from .ui.dashboard import dashboard_for  # a front end: imported on demand
+        # The widget sits below the facade (it never imports mesh, it is handed
+        # one); imported here so that a mesh without a dashboard loads no widget.
+        from .ui.dashboard import dashboard_for
 
         return dashboard_for(self)
 
@@ -567,6 +572,17 @@ class Mesh(_RankSet):
 
 
 _live_meshes: dict[Mesh, None] = {}  # insertion-ordered: the newest last
+_atexit_registered = False
+
+
+def _register_stop_at_exit() -> None:
+    """Kernel shutdown and restart end the interpreter normally: stop ranks
+    then. Registered when the first mesh is made (the package root no longer
+    imports this module; a SIGKILLed kernel is covered by the ranks'
+    parent-death signal)."""
+    global _atexit_registered
+    atexit.register(stop_all)
+    _atexit_registered = True
 
 
 def _warn_collective(where: dict[int, str]) -> None:

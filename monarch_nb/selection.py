@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from .errors import UsageError
+from .rankspans import format_ranks
+from .rankspans import span as _span
 
 
 class SpecError(UsageError):
@@ -104,28 +106,3 @@ def _check(ranks: tuple[int, ...], world_size: int, spec: str, allow_empty: bool
 def _missing(ranks: str, world_size: int) -> str:
     return (f"rank {ranks} does not exist: this mesh has ranks 0-{world_size - 1}"
             if world_size > 1 else f"rank {ranks} does not exist: this mesh has only rank 0")
-
-
-def format_ranks(ranks: Iterable[int]) -> str:
-    """Format ranks compactly: ``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    nums = sorted({int(r) for r in ranks})
-    if not nums:
-        return "none"
-    parts: list[str] = []
-    start = prev = nums[0]
-    for r in nums[1:]:
-        if r == prev + 1:
-            prev = r
-            continue
-        parts.append(_span(start, prev))
-        start = prev = r
-    parts.append(_span(start, prev))
-    return ",".join(parts)
-
-
-def _span(lo: int, hi: int) -> str:
-    if lo == hi:
-        return str(lo)
-    if hi == lo + 1:
-        return f"{lo},{hi}"
-    return f"{lo}-{hi}"

@@ -43,6 +43,7 @@ import anywidget
 import traitlets
 
 from .dashfeed import FLIGHT_RECORDS, Feed, FlightWatch, Throttle, flight_view
+from .status import format_status  # one table for %monarch status and this
 
 _STATIC = pathlib.Path(__file__).parent / "static"
 
@@ -141,8 +142,6 @@ class Dashboard(anywidget.AnyWidget):
         return bundle
 
     def text(self) -> str:
-        from .magics import format_status  # one table for %monarch status and this
-
         return format_status(self.mesh)
 
     def __repr__(self) -> str:
