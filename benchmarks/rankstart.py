@@ -90,7 +90,7 @@ def main() -> None:
     args = ap.parse_args()
     before = measure(args.before.resolve(), args.repeat)
     after = measure(args.after.resolve(), args.repeat)
-    print(f"{'':<28}{"before":>26}{"after":>26}")
+    print(f"{'':<28}{'before':>26}{'after':>26}")
     print(f"{'':<28}{str(args.before)[-26:]:>26}{str(args.after)[-26:]:>26}")
     for key in before:
         b, a = before[key], after[key]

@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import pathlib
 import sys
-import tomllib
 
 import grimp
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 ROOT = "monarch_nb"
 
