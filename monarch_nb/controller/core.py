@@ -41,6 +41,7 @@ from ..errors import MonarchError, RemoteError
 from ..futures import MeshFuture
 from ..wire import chunks, gpuipc, serialize, shm
 from ..wire.endpoints import CurveKeys
+from ..wire.metas import meta_of
 from ..wire.metricframes import decode as decode_metrics
 from ..wire.protocol import Codec, Kind, Message, new_key
 from ..wire.transport import IOLoop
@@ -283,7 +284,7 @@ class Controller:
         elif kind == Kind.OUTPUT:
             self._on_output(info, msg)
         elif kind == Kind.HEARTBEAT:
-            info.health = msg.meta.get("h") or info.health
+            info.health = meta_of(msg, Kind.HEARTBEAT).get("h") or info.health
         elif kind == Kind.METRICS:
             self._on_metrics(info, msg)
         elif kind == Kind.INTERRUPTED:
@@ -291,9 +292,9 @@ class Controller:
             # control socket and may overtake or trail the RESULT.
             where = self.caller.interrupt_where.get(msg.call)
             if where is not None:
-                where[info.rank] = str(msg.meta.get("where", ""))
+                where[info.rank] = str(meta_of(msg, Kind.INTERRUPTED).get("where", ""))
         elif kind == Kind.HELLO:
-            info.host = str(msg.meta.get("host", ""))
+            info.host = str(meta_of(msg, Kind.HELLO).get("host", ""))
         elif kind == Kind.READY:
             if info.state in ON_ITS_WAY:
                 self.recovery.on_ready(info, msg)
@@ -302,11 +303,11 @@ class Controller:
             self.inspector.on_prompt(info, msg)
         elif kind == Kind.STACKS_REPLY:
             if not self.inspector.on_stacks_reply(info, msg):
-                self.recovery.on_probe(info, list(msg.meta.get("threads") or []))
+                self.recovery.on_probe(info, list(meta_of(msg, Kind.STACKS_REPLY).get("threads") or []))
         elif kind == Kind.REFORMED:
             self.recovery.on_reformed(info, msg)
         elif kind == Kind.FAILED_START:
-            info.start_error = str(msg.meta.get("error", ""))
+            info.start_error = str(meta_of(msg, Kind.FAILED_START).get("error", ""))
 
     def _on_output(self, info: RankInfo, msg: Message) -> None:
         call = self.calls.get(msg.call)
@@ -337,7 +338,7 @@ class Controller:
     def _count_chunk(self, call: PendingCall | None, info: RankInfo, msg: Message) -> None:
         """OUTPUT chunks and METRICS batches sent on the control socket
         during a call are counted; the RESULT waits for all of them."""
-        if call is not None and int(msg.meta.get("n", -1)) >= 0:
+        if call is not None and int(meta_of(msg, Kind.OUTPUT).get("n", -1)) >= 0:  # (METRICS: the same n)
             call.chunks_seen[info.rank] = call.chunks_seen.get(info.rank, 0) + 1
             held = call.held.get(info.rank)
             if held is not None and call.chunks_seen[info.rank] >= _announced(held):
@@ -373,7 +374,7 @@ class Controller:
         (wire/chunks.py). False: the layout did not fit (the call gets the
         rank's error instead)."""
         try:
-            msg.payload = chunks.join(msg.payload, msg.meta["parts"])
+            msg.payload = chunks.join(msg.payload, meta_of(msg, Kind.RESULT)["parts"])
             return True
         except chunks.ChunkError as exc:
             self._refuse_result(info, call, f"its pieces do not fit together: {exc}")
@@ -392,7 +393,7 @@ class Controller:
         (mapped from the rank's own process only), then let the rank close
         its segment, whatever became of the mapping. False: refused (the
         call gets the rank's error instead)."""
-        desc = msg.meta["shm"]
+        desc = meta_of(msg, Kind.RESULT)["shm"]
         proc = self.supervisor.procs.get(info.rank)
         peer = None if proc is None or self.dataplane.threshold is None else proc.pid
         try:
@@ -405,7 +406,7 @@ class Controller:
             self.io.send(info.ctl_id, self.codec.sign(Kind.RELEASE, meta={"tok": shm.token_of(desc)}))
 
     def _complete_rank(self, call: PendingCall, info: RankInfo, msg: Message) -> None:
-        payload, meta = msg.payload, msg.meta
+        payload, meta = msg.payload, meta_of(msg, Kind.RESULT)
         if meta.get("o") and payload:
             for stream, text in decode_items(payload[0]):
                 call.output.feed(info.rank, stream, text)
@@ -418,7 +419,7 @@ class Controller:
             else:
                 self.calls.complete(call, info.rank, value)
         else:
-            err = msg.meta.get("error") or {}
+            err = meta_of(msg, Kind.RESULT).get("error") or {}
             self.calls.complete(call, info.rank, error=RemoteError(
                 info.rank, str(err.get("type", "Exception")), str(err.get("msg", "")),
                 str(err.get("tb", ""))))
@@ -441,8 +442,8 @@ class Controller:
         """A result nobody waits for (its call was cancelled or is over):
         if it holds GPU shares, open and drop them, so its rank can release
         them (a share is held until the controller says so)."""
-        payload = msg.payload[1:] if msg.meta.get("o") else msg.payload
-        if not msg.meta.get("ok", True) or not gpuipc.mentioned(payload):
+        payload = msg.payload[1:] if meta_of(msg, Kind.RESULT).get("o") else msg.payload
+        if not meta_of(msg, Kind.RESULT).get("ok", True) or not gpuipc.mentioned(payload):
             return
         try:
             self._loads(info, payload)
@@ -550,4 +551,5 @@ def _unloadable(rank: int, exc: Exception) -> RemoteError:
 def _announced(result: Message) -> int:
     """Control-socket messages a RESULT says preceded it: output chunks
     (``n_out``) and mnb.log batches (``n_m``)."""
-    return int(result.meta.get("n_out", 0)) + int(result.meta.get("n_m", 0))
+    meta = meta_of(result, Kind.RESULT)
+    return int(meta.get("n_out", 0)) + int(meta.get("n_m", 0))

@@ -29,7 +29,6 @@ import builtins
 import collections
 import functools
 import itertools
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +36,8 @@ from dataclasses import dataclass, field
 
 from ..selection import format_ranks
 from ..stacks import RankStacks, Stacks, hang_report
+from ..wire import payloads
+from ..wire.metas import meta_of
 from ..wire.protocol import Codec, Kind, Message
 from ..wire.transport import IOLoop
 from . import collectives
@@ -140,11 +141,12 @@ class Inspector:
         flight = None
         if msg.payload:  # the flight recorder's tail (JSON: data, never pickle)
             try:
-                flight = json.loads(bytes(msg.payload[0]))
-            except (ValueError, TypeError):
+                flight = payloads.decode_flight(msg.payload[0])
+            except payloads.PayloadError:
                 flight = None
         req.result[info.rank] = RankStacks(
-            info.rank, "ok", list(msg.meta.get("threads") or []), int(msg.meta.get("busy") or 0),
+            info.rank, "ok", list(meta_of(msg, Kind.STACKS_REPLY).get("threads") or []),
+            int(meta_of(msg, Kind.STACKS_REPLY).get("busy") or 0),
             flight=flight)
         self._maybe_finish_stacks(msg.call)
         return True
@@ -197,7 +199,7 @@ class Inspector:
         # beginning, as output first (between pdb's write and its read), it
         # is also here as an unfinished line: taken before the flush below
         # would print it as output too.
-        text = str(msg.meta.get("prompt") or "")
+        text = str(meta_of(msg, Kind.PROMPT).get("prompt") or "")
         held = call.output.take_partial(info.rank)
         if held and text and not text.startswith(held):
             call.output.feed(info.rank, "stdout", held)  # not the prompt's: put it back

@@ -15,13 +15,13 @@ Non-goals: widgets (dashboard), deciding what a call is (controller).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable, Collection
 from typing import Any
 
 from ..selection import format_ranks
+from ..wire import payloads
 
 FOLD_S = 0.05  # how long complete lines wait for identical lines from peers
 PARTIAL_S = 0.5  # how long a line without newline waits for the rest
@@ -172,7 +172,6 @@ def decode_items(frame: Any) -> list[tuple[str, str]]:
     """Output text of a verified message: JSON ``[[stream, text], ...]``
     (JSON, not pickle: output is data, never code)."""
     try:
-        items = json.loads(bytes(frame))
-        return [(str(stream), str(text)) for stream, text in items]
-    except (ValueError, TypeError):
+        return payloads.decode_output(frame)
+    except payloads.PayloadError:
         return [("stderr", "[monarch_nb: unreadable output chunk dropped]\n")]

@@ -40,6 +40,7 @@ from ..config import MeshConfig
 from ..errors import MembershipChanged, MonarchError, RankDied, RankErrors
 from ..futures import MeshFuture
 from ..stacks import RankStacks
+from ..wire.metas import meta_of
 from ..wire.protocol import Codec, Kind, Message, exec_parts
 from ..wire.transport import IOLoop
 from .calltable import CallTable, PendingCall
@@ -158,7 +159,7 @@ class Recovery:
 
     def on_ready(self, info: RankInfo, msg: Message) -> None:
         self.ranks.move(info.rank, RankState.READY)
-        info.device = str(msg.meta.get("device", ""))
+        info.device = str(meta_of(msg, Kind.READY).get("device", ""))
         info.ready_at = time.monotonic()
         self.settled_at = info.ready_at
         self.ranks.record(info.rank, EventKind.READY, info.device)
@@ -180,11 +181,11 @@ class Recovery:
     def on_reformed(self, info: RankInfo, msg: Message) -> None:
         self.awaiting_reform.pop(info.rank, None)
         self._progress(info.rank)
-        error = None if msg.meta.get("joining") else msg.meta.get("error")
+        error = None if meta_of(msg, Kind.REFORMED).get("joining") else meta_of(msg, Kind.REFORMED).get("error")
         if error:
             self.ranks.record(info.rank, EventKind.REFORM_FAILED, str(error))
             self._announce(f"monarch_nb: rank {info.rank} could not join generation "
-                           f"{msg.meta.get('generation')}: {error}")
+                           f"{meta_of(msg, Kind.REFORMED).get('generation')}: {error}")
 
     def on_probe(self, info: RankInfo, threads: list[Any]) -> None:
         """Where a member that has not answered its REFORM stands."""

@@ -31,6 +31,7 @@ from ..backends import JoinAborted, JoinFailed, init_group, leave_group
 from ..config import RankEnv
 from ..errors import is_peer_loss
 from ..wire.channels import MainChannel
+from ..wire.metas import meta_of
 from ..wire.protocol import Codec, Kind, Message
 from . import context as _context
 
@@ -118,7 +119,7 @@ class Membership:
             if got is not None:
                 self.pending.append(got)
         return any(m.kind == Kind.STOP or (m.kind == Kind.REFORM and
-                                           int(m.meta.get("generation", 0)) > generation)
+                                           int(meta_of(m, Kind.REFORM).get("generation", 0)) > generation)
                    for m in self.pending)
 
     def superseded(self, generation: int, grace: float = SUPERSEDE_GRACE_S) -> bool:
@@ -139,10 +140,11 @@ class Membership:
         reforms = [m for m in self.pending if m.kind == Kind.REFORM]
         for m in reforms:
             self.pending.remove(m)
-        return max(reforms, key=lambda m: int(m.meta.get("generation", 0)), default=None)
+        return max(reforms, key=lambda m: int(meta_of(m, Kind.REFORM).get("generation", 0)), default=None)
 
     def join(self, msg: Message) -> int:
-        generation, port = int(msg.meta["generation"]), int(msg.meta["port"])
+        meta = meta_of(msg, Kind.REFORM)
+        generation, port = int(meta["generation"]), int(meta["port"])
         # "out of the old collective, joining": the controller stops waiting
         # for this survivor before the (slower) join completes
         self.send(Kind.REFORMED, meta={"generation": generation, "joining": True})

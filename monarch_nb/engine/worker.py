@@ -28,7 +28,6 @@ import collections
 import ctypes
 import faulthandler
 import importlib
-import json
 import linecache
 import os
 import signal
@@ -44,9 +43,10 @@ import zmq
 from .. import config
 from ..backends import init_group, keep_links_to, native_crash_stacks
 from ..config import RankEnv
-from ..wire import chunks, gpuipc, serialize, shm
+from ..wire import chunks, gpuipc, payloads, serialize, shm
 from ..wire.channels import LinkChannel, MainChannel, SocketChannel, dealer, recv_verified
 from ..wire.link import Link
+from ..wire.metas import meta_of
 from ..wire.metricframes import encode as encode_metrics
 from ..wire.protocol import Codec, Kind, Message
 from ..wire.transport import send_frames
@@ -196,7 +196,7 @@ class Worker:
         call = msg.call
         leftover = self.output.begin(call)
         if leftover:
-            self._send_main(Kind.OUTPUT, [_json(leftover)], call=0, meta={"n": -1})
+            self._send_main(Kind.OUTPUT, [payloads.encode_output(leftover)], call=0, meta={"n": -1})
         if self.stdin.answered:  # only after a debugger session
             self.stdin.reset()
         mbuf = self.metrics
@@ -206,7 +206,7 @@ class Worker:
                 self._send_main(Kind.METRICS, [encode_metrics(left)], meta={"n": -1})
         self.running_call = call
         flightrec.call_begin(call, msg.meta)  # its span; strict mode (check_collectives)
-        generation = msg.meta.get("generation", 0)
+        generation = meta_of(msg, Kind.CALL).get("generation", 0)  # (EXEC: the same field)
         if _context._state.get("call_generation") != generation:
             _context._set(call_generation=int(generation))
         ok, value, error = True, None, None
@@ -217,18 +217,19 @@ class Worker:
                     raise KeyboardInterrupt("interrupted before it started")
                 if msg.kind == Kind.CALL:
                     frames = msg.payload
-                    if "parts" in msg.meta:  # verified message: join the pieces
-                        frames = chunks.join(frames, msg.meta["parts"])
-                    if "shm" in msg.meta:  # verified message: map the big frames
-                        frames = shm.attach(frames, msg.meta["shm"], peer_pid=self.shm_peer,
+                    cmeta = meta_of(msg, Kind.CALL)
+                    if "parts" in cmeta:  # verified message: join the pieces
+                        frames = chunks.join(frames, cmeta["parts"])
+                    if "shm" in cmeta:  # verified message: map the big frames
+                        frames = shm.attach(frames, cmeta["shm"], peer_pid=self.shm_peer,
                                             mesh_id=self.env.mesh_id,
                                             max_bytes=self.env.max_message_bytes)
                     fn, args, kwargs = self.calls.load(frames)
                     value = fn(*args, **kwargs)
                 else:
                     code = (bytes(memoryview(msg.payload[0])).decode() if msg.payload
-                            else msg.meta.get("code", ""))  # (payload: protocol.exec_parts)
-                    value = self._run_cell(code, msg.meta.get("name", "<mnb-cell>"))
+                            else meta_of(msg, Kind.EXEC).get("code", ""))  # (payload: protocol.exec_parts)
+                    value = self._run_cell(code, meta_of(msg, Kind.EXEC).get("name", "<mnb-cell>"))
             finally:
                 self.finished.append(call)  # before running_call drops: see _control
                 self.running_call = 0
@@ -300,7 +301,7 @@ class Worker:
                 tail = [*tail, *(["stderr", line + "\n"] for line in notes)]
         if tail:  # output text travels as a JSON frame, never in the header
             meta["o"] = 1
-            payload = [_json(tail), *payload]
+            payload = [payloads.encode_output(tail), *payload]
             if "shm" in meta:  # the frames' positions move one down
                 for where in meta["shm"]["at"]:
                     where[0] += 1
@@ -392,7 +393,7 @@ class Worker:
             chunk = self.output.take_chunk()
             if chunk is not None:
                 call, n, items = chunk
-                self._send_ctl(Kind.OUTPUT, call=call, meta={"n": n}, payload=[_json(items)])
+                self._send_ctl(Kind.OUTPUT, call=call, meta={"n": n}, payload=[payloads.encode_output(items)])
             prompt = self.prompt_out
             if prompt is not None:  # after the output: the listing shows above the box
                 self.prompt_out = None
@@ -435,16 +436,16 @@ class Worker:
             # is stuck in C code, do not wait for it.
             threading.Timer(2.0, lambda: self._exit(0)).start()
         elif msg.kind == Kind.STACKS:
-            flight = msg.meta.get("flight")  # also the recorder's newest records
+            flight = meta_of(msg, Kind.STACKS).get("flight")  # also the recorder's newest records
             self._send_ctl(Kind.STACKS_REPLY, call=msg.call,
                            meta={"threads": debug.snapshot(self.main_thread_id),
                                  "busy": self.running_call},
-                           payload=[json.dumps(flightrec.RECORDER.tail(int(flight))).encode()]
+                           payload=[payloads.encode_flight(flightrec.RECORDER.tail(int(flight)))]
                            if flight else None)
         elif msg.kind == Kind.INPUT:
-            self.stdin.answer(str(msg.meta.get("text", "")))
+            self.stdin.answer(str(meta_of(msg, Kind.INPUT).get("text", "")))
         elif msg.kind == Kind.RELEASE:  # the controller mapped a result's segment
-            tok = str(msg.meta.get("tok", ""))
+            tok = str(meta_of(msg, Kind.RELEASE).get("tok", ""))
             seg = self.segments.pop(tok, None)
             if seg is not None:
                 seg.close()
@@ -476,8 +477,6 @@ class Worker:
         os._exit(code)  # skip atexit: torch.distributed teardown can hang on dead peers
 
 
-def _json(items: list[list[str]]) -> bytes:
-    return json.dumps(items, separators=(",", ":")).encode()
 
 
 def describe_frame(frame: Any) -> str:

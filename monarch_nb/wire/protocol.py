@@ -65,10 +65,13 @@ Buffer = bytes | bytearray | memoryview
 
 class Kind(str, enum.Enum):
     """Message kinds. Controller -> rank first, then rank -> controller.
-    What each kind's meta holds is :data:`META` (the one schema)."""
+    What each kind's meta holds is :data:`META` (the one schema; typed per
+    kind in wire/metas.py); the comments below list the same keys."""
 
-    CALL = "call"  # run a pickled function (payload: fn, args, kwargs; meta: elastic, generation, check, shm)
-    EXEC = "exec"  # run cell code (payload: the code; meta: name, setup, elastic, generation, check)
+    CALL = "call"  # run a pickled function (payload: fn, args, kwargs;
+    # meta: elastic, generation, check, shm, parts)
+    EXEC = "exec"  # run cell code (payload: the code; meta: code (before
+    # exec_parts moves it to payload 0), name, setup, elastic, generation, check)
     INTERRUPT = "interrupt"  # raise KeyboardInterrupt in the main thread for call c
     PING = "ping"  # controller liveness; ranks exit when pings stop
     STOP = "stop"  # leave cleanly
@@ -78,13 +81,16 @@ class Kind(str, enum.Enum):
     HELLO = "hello"  # rank process is up (meta: pid, incarnation, host)
     READY = "ready"  # rank joined torch.distributed (meta: device, pid)
     FAILED_START = "failed_start"  # rank could not start (meta: error, tb)
-    RESULT = "result"  # call c finished (meta: ok, error, n_out, n_m, o, shm; payload: output?, value)
-    OUTPUT = "output"  # stdout/stderr text of call c (meta: n, the chunk no.; payload: JSON)
-    HEARTBEAT = "heartbeat"  # control thread alive (meta: busy call, h: health figures)
+    RESULT = "result"  # call c finished (meta: ok, error, n_out, n_m, o, shm,
+    # parts; payload: output?, value)
+    OUTPUT = "output"  # stdout/stderr text of call c (meta: n, the chunk no.;
+    # payload: JSON, wire/outputitems.py)
+    HEARTBEAT = "heartbeat"  # control thread alive (meta: busy: the call, h: health figures)
     INTERRUPTED = "interrupted"  # answer to INTERRUPT (meta: where the main thread was)
     STACKS_REPLY = "stacks_reply"  # answer to STACKS (meta: threads, busy)
-    REFORM = "reform"  # leave the group, join generation g on a new port (meta: generation, port)
-    REFORMED = "reformed"  # answer to REFORM (meta: generation, joining or error)
+    REFORM = "reform"  # leave the group, join a new generation on a new port
+    # (meta: generation, port)
+    REFORMED = "reformed"  # answer to REFORM (meta: generation, joining, error)
     METRICS = "metrics"  # batched mnb.log points (meta: n; payload: metricframes JSON)
     INPUT = "input"  # a line typed for a rank's debugger (meta: text)
     PROMPT = "prompt"  # a rank's debugger waits for a line (meta: prompt)

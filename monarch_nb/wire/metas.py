@@ -1,0 +1,159 @@
+"""Typed metadata per message kind: one TypedDict per kind that carries meta.
+
+protocol.META stays the one schema that ``sign`` and ``verify`` check; these
+TypedDicts say the same for mypy, and tests/test_codecs.py checks that they
+agree with META key by key and type by type (and that every kind in META has
+one). Read a verified message's meta through :func:`meta_of`, which costs
+nothing but a call: a TypedDict is a plain dict at run time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypedDict, overload
+
+from .protocol import Kind, Message
+
+
+class CallMeta(TypedDict, total=False):
+    elastic: bool  # the call may run across a reform
+    generation: int  # the group the call started in
+    check: int  # strict mode (engine/flightrec.py)
+    shm: dict[str, Any]  # payload frames in shared memory (wire/shm.py)
+    parts: list[Any]  # big frames cut into pieces (wire/chunks.py)
+
+
+class ExecMeta(TypedDict, total=False):
+    code: str  # only before protocol.exec_parts moves it to payload 0
+    name: str
+    setup: bool
+    elastic: bool
+    generation: int
+    check: int
+
+
+class StacksMeta(TypedDict, total=False):
+    flight: int  # also the flight recorder's newest N records
+
+
+class HelloMeta(TypedDict, total=False):
+    pid: int
+    incarnation: int
+    host: str
+
+
+class ReadyMeta(TypedDict, total=False):
+    device: str
+    pid: int
+
+
+class FailedStartMeta(TypedDict, total=False):
+    error: str
+    tb: str
+
+
+class ResultMeta(TypedDict, total=False):
+    ok: bool  # default true
+    error: dict[str, Any]  # {type, msg, tb} when not ok
+    n_out: int  # OUTPUT chunks sent before it
+    n_m: int  # METRICS batches sent before it
+    o: int  # payload frame 0 is the last output (JSON)
+    shm: dict[str, Any]
+    parts: list[Any]
+
+
+class OutputMeta(TypedDict, total=False):
+    n: int  # chunk number within the call, -1: uncounted
+
+
+class MetricsMeta(TypedDict, total=False):
+    n: int  # batch number within the call, -1: uncounted
+
+
+class HeartbeatMeta(TypedDict, total=False):
+    busy: int  # the call running, 0: idle
+    h: dict[str, Any]  # health figures
+
+
+class InterruptedMeta(TypedDict, total=False):
+    where: str
+
+
+class StacksReplyMeta(TypedDict, total=False):
+    threads: list[Any]
+    busy: int
+
+
+class ReformMeta(TypedDict, total=False):
+    generation: int
+    port: int
+
+
+class ReformedMeta(TypedDict, total=False):
+    generation: int
+    joining: bool
+    error: str
+
+
+class InputMeta(TypedDict, total=False):
+    text: str
+
+
+class PromptMeta(TypedDict, total=False):
+    prompt: str
+
+
+class ReleaseMeta(TypedDict, total=False):
+    tok: str
+
+
+# kind -> its TypedDict (for the test against META; nothing reads it per message)
+TYPES: dict[Kind, type] = {
+    Kind.CALL: CallMeta, Kind.EXEC: ExecMeta, Kind.STACKS: StacksMeta,
+    Kind.HELLO: HelloMeta, Kind.READY: ReadyMeta, Kind.FAILED_START: FailedStartMeta,
+    Kind.RESULT: ResultMeta, Kind.OUTPUT: OutputMeta, Kind.METRICS: MetricsMeta,
+    Kind.HEARTBEAT: HeartbeatMeta, Kind.INTERRUPTED: InterruptedMeta,
+    Kind.STACKS_REPLY: StacksReplyMeta, Kind.REFORM: ReformMeta,
+    Kind.REFORMED: ReformedMeta, Kind.INPUT: InputMeta, Kind.PROMPT: PromptMeta,
+    Kind.RELEASE: ReleaseMeta,
+}
+
+
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.CALL]) -> CallMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.EXEC]) -> ExecMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.STACKS]) -> StacksMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.HELLO]) -> HelloMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.READY]) -> ReadyMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.FAILED_START]) -> FailedStartMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.RESULT]) -> ResultMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.OUTPUT]) -> OutputMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.METRICS]) -> MetricsMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.HEARTBEAT]) -> HeartbeatMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.INTERRUPTED]) -> InterruptedMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.STACKS_REPLY]) -> StacksReplyMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.REFORM]) -> ReformMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.REFORMED]) -> ReformedMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.INPUT]) -> InputMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.PROMPT]) -> PromptMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.RELEASE]) -> ReleaseMeta: ...
+def meta_of(msg: Message, kind: Kind) -> Any:
+    """``msg.meta`` typed as ``kind``'s TypedDict. ``kind`` is the kind the
+    caller already dispatched on (verify checked the meta against META for
+    ``msg.kind``); nothing is copied or checked again here."""
+    return msg.meta
