@@ -404,3 +404,76 @@ def test_a_stuck_survivor_is_probed_after_the_grace_and_replaced_only_if_in_a_co
     assert s.events(EventKind.REPLACED) == [1] and s.ranks[1].state == RankState.RESPAWNING
     s.rec.on_reformed(s.ranks[3], Message(Kind.REFORMED, "r", 0, meta={"generation": 1, "joining": True}))
     assert 3 not in s.rec.awaiting_reform
+
+
+# -- PendingCall changes only through its methods ------------------------------------
+
+_MUTATORS = {"add", "discard", "pop", "clear", "remove", "append", "extend", "insert",
+             "update", "setdefault", "popitem", "sort", "reverse"}
+# Other classes' fields of the same name, written on their own objects.
+_NOT_CALLS = {("collectives.py", "report.ranks"), ("supervisor.py", "proc.sent")}
+
+
+def _call_field_writes(source: str) -> list[str]:
+    """Assignments, deletions and in-place mutations of a PendingCall
+    field on anything but ``self``: ``x.held[r] = m``, ``x.progress_at = t``,
+    ``del x.held[r]``, ``x.remaining.discard(r)``."""
+    import ast
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(PendingCall)}
+
+    def field_of(node: ast.expr) -> str | None:
+        while isinstance(node, (ast.Subscript, ast.Starred)):
+            node = node.value
+        if (isinstance(node, ast.Attribute) and node.attr in fields
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            return ast.unparse(node)
+        return None
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in _MUTATORS):
+            targets = [node.func.value]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("setattr", "delattr") and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in fields):
+            found.append(f"{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+        for target in targets:
+            for elt in target.elts if isinstance(target, ast.Tuple) else [target]:
+                name = field_of(elt)
+                if name is not None:
+                    found.append(f"{node.lineno}: {name}")
+    return found
+
+
+def test_no_module_but_the_call_table_changes_a_pending_call() -> None:
+    import pathlib
+
+    import monarch_nb
+
+    root = pathlib.Path(monarch_nb.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path == root / "controller" / "calltable.py":
+            continue
+        for hit in _call_field_writes(path.read_text()):
+            if (path.name, hit.split(": ", 1)[1]) not in _NOT_CALLS:
+                found.append(f"{path.relative_to(root)}:{hit}")
+    assert not found, ("PendingCall fields change only through its methods "
+                       f"(controller/calltable.py): {found}")
+
+
+def test_the_pending_call_check_sees_every_kind_of_write() -> None:
+    source = ("call.progress_at = 1\ncall.held[0] = m\ndel call.held[0]\n"
+              "call.chunks_seen[0] += 1\ncall.remaining.discard(0)\n"
+              "a, call.sent = 1, True\nsetattr(call, 'hang_reported', True)\n"
+              "self.held = {}\ncall.progressed(1)\nx = call.held.get(0)\n")
+    assert sorted(int(hit.split(":")[0]) for hit in _call_field_writes(source)) == [
+        1, 2, 3, 4, 5, 6, 7]

@@ -42,6 +42,11 @@ from .output import CallOutput
 
 @dataclass(slots=True)  # made for every call: slots make that and each access cheaper
 class PendingCall:
+    """One call in flight. Other modules read its fields and change them
+    only through the methods below; the call table (this module) owns the
+    rest of its life. tests/test_calltable.py checks that no other module
+    assigns to, deletes or mutates a field of a call."""
+
     call_id: int
     ranks: tuple[int, ...]
     output: CallOutput
@@ -60,6 +65,32 @@ class PendingCall:
     progress_at: float = field(default_factory=time.monotonic)  # output, result, prompt
     sent: bool = False  # False while it waits for ranks (or a re-formation)
     internal: bool = False  # a setup replay: not the user's call
+
+    # -- what other parts may change ---------------------------------------------------
+    def progressed(self, now: float) -> None:
+        """Progress at ``now`` (output, a metric, a prompt, recovery): the
+        hang watchdog counts from here."""
+        self.progress_at = now
+
+    def hang_seen(self) -> None:
+        """Its hang was reported (once per call)."""
+        self.hang_reported = True
+
+    def chunk_seen(self, rank: int) -> int:
+        """One more OUTPUT chunk or METRICS batch of ``rank`` arrived; how
+        many so far."""
+        seen = self.chunks_seen.get(rank, 0) + 1
+        self.chunks_seen[rank] = seen
+        return seen
+
+    def hold(self, rank: int, result: Message) -> None:
+        """Hold ``rank``'s RESULT until the chunks it announced arrived (the
+        call cannot finish meanwhile)."""
+        self.held[rank] = result
+
+    def unhold(self, rank: int) -> Message | None:
+        """``rank``'s held RESULT, no longer held."""
+        return self.held.pop(rank, None)
 
 
 class CallTable:

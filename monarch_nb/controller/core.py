@@ -10,6 +10,8 @@ The parts, each owning its state (DESIGN.md, architecture rule 5)::
 
     RankTable   ranktable.py   one record per rank; states change only by move()
     CallTable   calltable.py   calls in flight: the one place a call's fate changes
+    Assembler   assembler.py   a rank's RESULT, OUTPUT chunks and METRICS batches, its
+                               pieces, shared memory and GPU shares: the call's answer
     Caller      calls.py       sends calls, waits for them, interrupts them
     Recovery    recovery.py    deaths, respawns, re-formations (the policy's hands)
     Inspector   inspector.py   stacks, hang watchdog, debugger relay
@@ -18,11 +20,12 @@ The parts, each owning its state (DESIGN.md, architecture rule 5)::
                                (local ranks)
     MetricsStore metricstore.py every rank's mnb.log series
 
-A rank's RESULT is held back until all OUTPUT chunks and METRICS batches it
-announced have arrived (they travel on the other socket), so a cell shows
-all of a rank's output before its result.
+The core only routes: each message kind to the part that handles it, and
+the call table's hooks (a rank done with a call, a call finished) to the
+rank table, the inspector, the data plane and the call's output.
 
-Non-goals: the user-facing API (mesh.py), process handling (supervisor.py).
+Non-goals: the user-facing API (mesh.py), process handling (supervisor.py),
+making a rank's answer (assembler.py).
 """
 
 from __future__ import annotations
@@ -37,15 +40,15 @@ from typing import Any
 
 from ..backends import BackendInfo
 from ..config import LOOPBACK, MeshConfig
-from ..errors import MonarchError, RemoteError
+from ..errors import MonarchError
 from ..futures import MeshFuture
-from ..wire import chunks, gpuipc, serialize, shm
+from ..wire import gpuipc
 from ..wire.endpoints import CurveKeys
 from ..wire.metas import meta_of
-from ..wire.metricframes import decode as decode_metrics
 from ..wire.protocol import Codec, Kind, Message, new_key
 from ..wire.transport import IOLoop
 from . import liveness, logdirs
+from .assembler import Assembler
 from .calls import Caller
 from .calltable import CallTable, PendingCall
 from .dataplane import DataPlane
@@ -53,7 +56,7 @@ from .events import Event, EventKind
 from .inspector import Inspector
 from .launchers import Launcher, LocalLauncher
 from .metricstore import MetricsStore
-from .output import CallOutput, decode_items
+from .output import CallOutput
 from .policy import RestartPolicy
 from .rankstates import GONE, LIVE, ON_ITS_WAY, RankState
 from .ranktable import RankInfo, RankTable, describe_exit, free_port
@@ -132,6 +135,10 @@ class Controller:
                                    recovering=self._recovering)
         self.caller = Caller(cfg, self.ranks, self.calls, self.io, self.codec, self.recovery,
                              self.inspector, self.dataplane)
+        self.assembler = Assembler(self.calls, self.dataplane, self.metrics, self.io.send,
+                                   self.codec, self._pid_of,
+                                   default_output=lambda: self.default_output)
+        self._on_result = self.assembler.on_result  # bound once: every call's path
         self.calls.on_rank_done = self._rank_done
         self.calls.on_finished = self._call_finished
 
@@ -282,11 +289,11 @@ class Controller:
         if kind is Kind.RESULT:
             self._on_result(info, msg)
         elif kind == Kind.OUTPUT:
-            self._on_output(info, msg)
+            self.assembler.on_output(info, msg)
         elif kind == Kind.HEARTBEAT:
             info.health = meta_of(msg, Kind.HEARTBEAT).get("h") or info.health
         elif kind == Kind.METRICS:
-            self._on_metrics(info, msg)
+            self.assembler.on_metrics(info, msg)
         elif kind == Kind.INTERRUPTED:
             # Kept even after the call finished: the answer travels on the
             # control socket and may overtake or trail the RESULT.
@@ -308,147 +315,6 @@ class Controller:
             self.recovery.on_reformed(info, msg)
         elif kind == Kind.FAILED_START:
             info.start_error = str(meta_of(msg, Kind.FAILED_START).get("error", ""))
-
-    def _on_output(self, info: RankInfo, msg: Message) -> None:
-        call = self.calls.get(msg.call)
-        items = decode_items(msg.payload[0]) if msg.payload else []
-        target = call.output if call is not None else self.default_output
-        if call is not None:
-            call.progress_at = time.monotonic()
-        if target is not None:
-            for stream, text in items:
-                target.feed(info.rank, str(stream), str(text))
-        self._count_chunk(call, info, msg)
-
-    def _on_metrics(self, info: RankInfo, msg: Message) -> None:
-        call = self.calls.get(msg.call)
-        now = time.monotonic()
-        if call is not None:
-            call.progress_at = now  # a metric is progress (hang watchdog)
-        else:
-            # points logged by a process's first mnb.log call come uncounted
-            # (call 0): still progress for whatever the rank is running
-            for running in self.calls:
-                if info.rank in running.remaining:
-                    running.progress_at = now
-        if msg.payload:
-            self.metrics.add(info.rank, info.incarnation, decode_metrics(msg.payload[0]))
-        self._count_chunk(call, info, msg)
-
-    def _count_chunk(self, call: PendingCall | None, info: RankInfo, msg: Message) -> None:
-        """OUTPUT chunks and METRICS batches sent on the control socket
-        during a call are counted; the RESULT waits for all of them."""
-        if call is not None and int(meta_of(msg, Kind.OUTPUT).get("n", -1)) >= 0:  # (METRICS: the same n)
-            call.chunks_seen[info.rank] = call.chunks_seen.get(info.rank, 0) + 1
-            held = call.held.get(info.rank)
-            if held is not None and call.chunks_seen[info.rank] >= _announced(held):
-                del call.held[info.rank]
-                self._complete_rank(call, info, held)
-
-    def _on_result(self, info: RankInfo, msg: Message) -> None:
-        call = self.calls.get(msg.call)
-        if "parts" in msg.meta and not self._join(info, msg, call):
-            return
-        if "shm" in msg.meta and not self._attach(info, msg, call):
-            return
-        if call is None or info.rank not in call.remaining:
-            if self.gpu_ipc_devices is not None:
-                self._drop_result(info, msg)
-            return
-        if not msg.meta:  # a plain success: no output, no chunks to wait for, no error
-            payload = msg.payload
-            try:
-                value = self._loads(info, payload)
-            except serialize.SerializationError as exc:
-                self.calls.complete(call, info.rank, error=_unloadable(info.rank, exc))
-            else:
-                self.calls.complete(call, info.rank, value)
-            return
-        if call.chunks_seen.get(info.rank, 0) < _announced(msg):
-            call.held[info.rank] = msg  # output chunks still on their way
-            return
-        self._complete_rank(call, info, msg)
-
-    def _join(self, info: RankInfo, msg: Message, call: PendingCall | None) -> bool:
-        """Put a result's big frames back together from their pieces
-        (wire/chunks.py). False: the layout did not fit (the call gets the
-        rank's error instead)."""
-        try:
-            msg.payload = chunks.join(msg.payload, meta_of(msg, Kind.RESULT)["parts"])
-            return True
-        except chunks.ChunkError as exc:
-            self._refuse_result(info, call, f"its pieces do not fit together: {exc}")
-            return False
-
-    def _refuse_result(self, info: RankInfo, call: PendingCall | None, why: str) -> None:
-        """A result whose frames could not be put back: the call gets the
-        rank's error, and the log says why."""
-        log.warning("monarch_nb: rank %d's result: %s", info.rank, why)
-        if call is not None and info.rank in call.remaining:
-            self.calls.complete(call, info.rank, error=RemoteError(
-                info.rank, "SerializationError", f"the result arrived but {why}", ""))
-
-    def _attach(self, info: RankInfo, msg: Message, call: PendingCall | None) -> bool:
-        """Put the frames a rank sent by shared memory back into ``msg``
-        (mapped from the rank's own process only), then let the rank close
-        its segment, whatever became of the mapping. False: refused (the
-        call gets the rank's error instead)."""
-        desc = meta_of(msg, Kind.RESULT)["shm"]
-        proc = self.supervisor.procs.get(info.rank)
-        peer = None if proc is None or self.dataplane.threshold is None else proc.pid
-        try:
-            msg.payload = self.dataplane.attach(msg.payload, desc, peer)
-            return True
-        except shm.ShmError as exc:
-            self._refuse_result(info, call, f"its shared memory was refused: {exc}")
-            return False
-        finally:
-            self.io.send(info.ctl_id, self.codec.sign(Kind.RELEASE, meta={"tok": shm.token_of(desc)}))
-
-    def _complete_rank(self, call: PendingCall, info: RankInfo, msg: Message) -> None:
-        payload, meta = msg.payload, meta_of(msg, Kind.RESULT)
-        if meta.get("o") and payload:
-            for stream, text in decode_items(payload[0]):
-                call.output.feed(info.rank, stream, text)
-            payload = payload[1:]
-        if meta.get("ok", True):
-            try:
-                value = self._loads(info, payload)
-            except serialize.SerializationError as exc:
-                self.calls.complete(call, info.rank, error=_unloadable(info.rank, exc))
-            else:
-                self.calls.complete(call, info.rank, value)
-        else:
-            err = meta_of(msg, Kind.RESULT).get("error") or {}
-            self.calls.complete(call, info.rank, error=RemoteError(
-                info.rank, str(err.get("type", "Exception")), str(err.get("msg", "")),
-                str(err.get("tb", ""))))
-
-    def _loads(self, info: RankInfo, payload: list[Any]) -> Any:
-        """A result's value. With gpu_ipc, the CUDA tensors a rank shared
-        are copied while unpickling; then the rank may release them."""
-        if not payload:
-            return None
-        if self.gpu_ipc_devices is None:
-            return serialize.loads(payload)
-        with gpuipc.consuming() as opened:
-            try:
-                return serialize.loads(payload)
-            finally:
-                for tok in opened:
-                    self.io.send(info.ctl_id, self.codec.sign(Kind.RELEASE, meta={"tok": tok}))
-
-    def _drop_result(self, info: RankInfo, msg: Message) -> None:
-        """A result nobody waits for (its call was cancelled or is over):
-        if it holds GPU shares, open and drop them, so its rank can release
-        them (a share is held until the controller says so)."""
-        payload = msg.payload[1:] if meta_of(msg, Kind.RESULT).get("o") else msg.payload
-        if not meta_of(msg, Kind.RESULT).get("ok", True) or not gpuipc.mentioned(payload):
-            return
-        try:
-            self._loads(info, payload)
-        except serialize.SerializationError as exc:
-            log.warning("monarch_nb: rank %d's late result could not be opened: %s", info.rank, exc)
 
     # -- the call table's hooks ------------------------------------------------------
     def _rank_done(self, call: PendingCall, rank: int) -> None:
@@ -524,6 +390,10 @@ class Controller:
             info.busy_silent = False
 
     # -- helpers ---------------------------------------------------------------------------
+    def _pid_of(self, rank: int) -> int | None:
+        proc = self.supervisor.procs.get(rank)
+        return None if proc is None else proc.pid
+
     def _recovering(self, rank: int) -> bool:
         """``rank`` is being brought back (the hang watchdog waits meanwhile)."""
         state = self.ranks[rank].state
@@ -542,14 +412,3 @@ class Controller:
         with self._state_changed:
             self._state_changed.notify_all()
 
-
-def _unloadable(rank: int, exc: Exception) -> RemoteError:
-    return RemoteError(rank, "SerializationError",
-                       f"the result arrived but cannot be rebuilt in the kernel: {exc}", "")
-
-
-def _announced(result: Message) -> int:
-    """Control-socket messages a RESULT says preceded it: output chunks
-    (``n_out``) and mnb.log batches (``n_m``)."""
-    meta = meta_of(result, Kind.RESULT)
-    return int(meta.get("n_out", 0)) + int(meta.get("n_m", 0))

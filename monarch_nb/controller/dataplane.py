@@ -17,7 +17,8 @@ payload was pickled are the call's, and are released when it finishes.
 Counts what it did, per mesh (:meth:`stats`, ``mesh.dataplane``).
 
 Non-goals: the mechanism (wire/shm.py), sending (calls.py), which process a
-descriptor may name (core.py looks up the rank's pid).
+descriptor may name (the assembler, assembler.py, asks for the
+rank's pid).
 """
 
 from __future__ import annotations

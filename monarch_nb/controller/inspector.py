@@ -177,10 +177,10 @@ class Inspector:
                     p.call_id == call.call_id for p in self.prompts):
                 continue  # the user is in a debugger: not a hang
             if any(self._recovering(r) for r in call.ranks) or call.reissue:
-                call.progress_at = now  # recovery is under way: not a hang
+                call.progressed(now)  # recovery is under way: not a hang
                 continue
             if now - call.progress_at >= limit:
-                call.hang_reported = True
+                call.hang_seen()
                 # every rank of the call: the stacks shown are the unfinished
                 # ones', but a finished rank's recorder is half the story
                 # (a collective it never entered, an extra one it made)
@@ -193,7 +193,7 @@ class Inspector:
         call = self.calls.get(msg.call)
         if call is None:
             return
-        call.progress_at = time.monotonic()
+        call.progressed(time.monotonic())
         # The prompt is the rank's unfinished line, sent with the request
         # (engine/capture.py). If the rank's control thread sent it, or its
         # beginning, as output first (between pdb's write and its read), it
@@ -252,7 +252,7 @@ class Inspector:
             self.debug_focus[call_id] = None
         call = self.calls.get(call_id)
         if call is not None:
-            call.progress_at = time.monotonic()
+            call.progressed(time.monotonic())
         frames = self.codec.sign(Kind.INPUT, meta={"text": answer})
         ctl_id = self.ranks[prompt.rank].ctl_id
         self.io.call_soon(lambda: self.io.send(ctl_id, frames))

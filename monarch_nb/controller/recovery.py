@@ -169,7 +169,7 @@ class Recovery:
         self._replay_setup(info)
         for call in self.calls.reissue(info.rank):  # after the setup: first in, first out
             self.ranks.move(info.rank, RankState.BUSY)
-            call.progress_at = info.ready_at
+            call.progressed(info.ready_at)
             self.io.send(info.main_id, call.frames)
         if info.rank in self.requested:
             self.requested.discard(info.rank)
@@ -245,7 +245,7 @@ class Recovery:
         now = time.monotonic()
         for call in self.calls:
             if rank in call.remaining or rank in call.reissue:
-                call.progress_at = now
+                call.progressed(now)
 
     # -- the policy's actions ---------------------------------------------------------
     def apply(self, actions: list[Any]) -> None:
