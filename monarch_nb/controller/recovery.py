@@ -32,6 +32,7 @@ Non-goals: deciding (policy.py), messages (core.py), calls (calltable.py).
 from __future__ import annotations
 
 import functools
+import signal as signal_mod
 import time
 from collections.abc import Callable
 from typing import Any
@@ -57,7 +58,7 @@ from .policy import (
     RestartRequested,
     Timer,
 )
-from .rankstates import GONE, LIVE, ON_ITS_WAY, RankState
+from .rankstates import GONE, LIVE, WAIT_FOR, RankState
 from .ranktable import RankInfo, RankTable, describe_exit, free_port, signal_name
 from .supervisor import RankProcess, Supervisor
 
@@ -157,6 +158,8 @@ class Recovery:
         self.keep_spare(time.monotonic())  # a backoff started: use the wait
 
     def on_ready(self, info: RankInfo, msg: Message) -> None:
+        if info.state == RankState.DYING:
+            return  # we asked it to die: its exit is what counts now
         self.ranks.move(info.rank, RankState.READY)
         info.device = str(msg.meta.get("device", ""))
         info.ready_at = time.monotonic()
@@ -195,6 +198,20 @@ class Recovery:
         else:  # busy computing: leave it, look again later
             self.awaiting_reform[info.rank] = time.monotonic() + REFORM_GRACE_S
 
+    def kill(self, rank: int, sig: int) -> None:
+        """Send ``sig`` to ``rank``'s process (fault injection: ``mesh.kill``).
+        For a signal that ends it (KILL, TERM) the rank is DYING at once, so
+        a call issued right after waits for its respawn and runs on the
+        re-formed group instead of meeting the death half-way. Runs on the
+        thread that leads the I/O loop."""
+        info = self.ranks[rank]
+        proc = self.supervisor.procs.get(rank)
+        if (sig in (signal_mod.SIGKILL, signal_mod.SIGTERM) and self.started and not self.stopped
+                and proc is not None and proc.popen.poll() is None
+                and info.state in LIVE | {RankState.RESPAWNING}):
+            self.ranks.move(rank, RankState.DYING)
+        self.supervisor.signal(rank, sig)
+
     def restart(self, ranks: tuple[int, ...]) -> None:
         """Replace ``ranks`` with new processes (thread-safe; user request)."""
         def restart() -> None:
@@ -231,7 +248,7 @@ class Recovery:
             return True
         for r in ranks:
             state = self.ranks[r].state
-            if state in ON_ITS_WAY or (state == RankState.DEAD and self.policy.coming_back(r)):
+            if state in WAIT_FOR or (state == RankState.DEAD and self.policy.coming_back(r)):
                 return True
         return False
 
