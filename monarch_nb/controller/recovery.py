@@ -47,11 +47,14 @@ from .calltable import CallTable, PendingCall
 from .events import EventKind
 from .output import CallOutput
 from .policy import (
+    Action,
     Died,
     GiveUp,
     Kill,
+    Probed,
     Ready,
     Reform,
+    ReplaceStuck,
     Report,
     Respawn,
     RestartPolicy,
@@ -193,8 +196,10 @@ class Recovery:
         """Where a member that has not answered its REFORM stands."""
         if info.rank not in self.awaiting_reform:
             return
-        if RankStacks(info.rank, "ok", threads).collective():
-            self.replace_stuck(info.rank)  # still in the old group's collective
+        in_collective = RankStacks(info.rank, "ok", threads).collective()
+        if in_collective and info.state in LIVE and self.supervisor.procs.get(info.rank):
+            # the policy decides (a new incarnation); replace_stuck carries it out
+            self.apply(self.policy.handle(Probed(info.rank, True, time.monotonic())))
         else:  # busy computing: leave it, look again later
             self.awaiting_reform[info.rank] = time.monotonic() + REFORM_GRACE_S
 
@@ -264,7 +269,7 @@ class Recovery:
                 call.progress_at = now
 
     # -- the policy's actions ---------------------------------------------------------
-    def apply(self, actions: list[Any]) -> None:
+    def apply(self, actions: list[Action]) -> None:
         for action in actions:
             if isinstance(action, Report):
                 self._announce(f"monarch_nb: {action.message}")
@@ -279,6 +284,8 @@ class Recovery:
                 self.ranks[action.rank].incarnation = action.incarnation
             elif isinstance(action, Reform):
                 self._reform(action)
+            elif isinstance(action, ReplaceStuck):
+                self.replace_stuck(action.rank, action.incarnation)
 
     def _kill(self, rank: int) -> None:
         """Mode ``all`` or a user's restart: the live process goes now; its
@@ -346,7 +353,7 @@ class Recovery:
                           f"generation {action.generation}, ranks {list(action.ranks)}")
         self.send_waiting()  # behind the REFORM on every live member's socket
 
-    def replace_stuck(self, rank: int) -> None:
+    def replace_stuck(self, rank: int, incarnation: int) -> None:
         """A member still inside the old group's collective after the grace:
         replace its process in the current generation. An elastic call is
         re-issued on the new one, which takes its state from a live peer."""
@@ -361,7 +368,7 @@ class Recovery:
                                                 "the group changed"),
                         coming_back=True)
         self.ranks.move(rank, RankState.RESPAWNING)
-        self.start_process(rank, self.policy.replace(rank))
+        self.start_process(rank, incarnation)
         self.ranks.record(rank, EventKind.REPLACED,
                           f"stuck in a collective; joins generation {self.generation}")
         self._announce(f"monarch_nb: rank {rank} was stuck in a collective after the group "
