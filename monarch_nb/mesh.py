@@ -414,7 +414,7 @@ class Mesh(_RankSet):
         if info.state in (RankState.DEAD, RankState.FAILED):
             raise UsageError(f"rank {r} is already dead")
         proc = ctl.supervisor.procs.get(r)
-        ctl.supervisor.signal(r, sig)
+        ctl.kill(r, sig)  # KILL/TERM: DYING at once, the next call waits for it
         if sig == signal_mod.SIGKILL and proc is not None:
             deadline = time.monotonic() + 5.0
             while time.monotonic() < deadline and ctl.supervisor.procs.get(r) is proc \

@@ -9,16 +9,21 @@ import pytest
 from monarch_nb.controller.policy import (
     Died,
     GiveUp,
+    HostLost,
     Kill,
+    Probed,
     RankPhase,
     Ready,
     Reform,
+    ReplaceStuck,
     Report,
     Respawn,
     RestartPolicy,
     RestartRequested,
     Timer,
 )
+from monarch_nb.controller.rankstates import IllegalTransition, RankState
+from monarch_nb.controller.ranktable import RankTable
 
 
 def test_first_death_respawns_at_once_and_reforms_the_group() -> None:
@@ -139,3 +144,47 @@ def test_two_deaths_at_once_form_one_new_generation() -> None:
 def test_unknown_mode_is_refused() -> None:
     with pytest.raises(ValueError):
         RestartPolicy(world_size=1, mode="sometimes")
+
+
+# -- host-level moves, probes (the host agent's and recovery's events) -----------------------
+def test_host_lost_without_spare_moves_its_ranks_to_lost_without_spending_budget() -> None:
+    p = RestartPolicy(world_size=4, budget=1)
+    acts = p.handle(HostLost("h1", (1, 2), now=5.0))
+    assert acts == [Report(1, "rank 1 lost: host h1 lost"), Report(2, "rank 2 lost: host h1 lost")]
+    assert [p.phase(r) for r in range(4)] == [RankPhase.RUNNING, RankPhase.LOST,
+                                              RankPhase.LOST, RankPhase.RUNNING]
+    assert not p.coming_back(1) and p.next_deadline() is None
+    assert p.handle(Died(1, now=6.0, cause="SIGKILL")) == []  # its death is old news
+    assert p.ranks[1].deaths == []  # no budget spent
+    acts = p.handle(RestartRequested((1, 2), now=7.0))  # a restart revives LOST ranks
+    assert [a for a in acts if isinstance(a, Respawn)] == [Respawn(1, 1), Respawn(2, 1)]
+    assert p.phase(1) == RankPhase.RESPAWNING
+
+
+def test_host_lost_with_a_spare_host_respawns_its_ranks_there() -> None:
+    p = RestartPolicy(world_size=3)
+    acts = p.handle(HostLost("h1", (0, 1), now=1.0, spare="h9"))
+    assert [a for a in acts if isinstance(a, Respawn)] == [Respawn(0, 1, host="h9"),
+                                                          Respawn(1, 1, host="h9")]
+    assert acts[-1] == Reform(1, (0, 1, 2))
+    assert p.phase(0) == RankPhase.RESPAWNING and p.coming_back(0)
+    assert p.handle(Died(0, now=2.0, incarnation=0)) == []  # the lost host's process
+
+
+def test_probed_in_collective_replaces_a_running_member_only() -> None:
+    p = RestartPolicy(world_size=2)
+    assert p.handle(Probed(1, in_collective=False, now=1.0)) == []
+    assert p.handle(Probed(1, in_collective=True, now=1.0)) == [ReplaceStuck(1, 1)]
+    assert p.phase(1) == RankPhase.RESPAWNING and p.generation == 0
+    assert p.handle(Probed(1, in_collective=True, now=2.0)) == []  # already being replaced
+
+
+def test_dying_is_a_legal_state_and_illegal_moves_are_refused() -> None:
+    t = RankTable(2)
+    t.move(0, RankState.READY)
+    t.move(0, RankState.DYING)
+    with pytest.raises(IllegalTransition):
+        t.move(0, RankState.READY)  # a dying process never takes calls again
+    t.move(0, RankState.DEAD)
+    with pytest.raises(IllegalTransition):
+        t.move(1, RankState.FAILED)  # STARTING -> FAILED skips the death

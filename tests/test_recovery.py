@@ -212,6 +212,23 @@ def test_an_idle_kill_costs_no_healthy_rank(capsys: pytest.CaptureFixture[str]) 
     assert "stuck in a collective" not in captured.out + captured.err
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", ["TERM", "KILL"])
+def test_a_call_right_after_mesh_kill_waits_and_runs_on_the_reformed_group(sig: str) -> None:
+    """``mesh.kill`` makes the rank DYING at once (TERM does not even wait
+    for the exit): a cell sent right after waits for the respawn like any
+    other, and runs on the re-formed group, answering from every rank."""
+    with Mesh.start(n=3, backend="cpu") as mesh:
+        before = _pids(mesh)
+        mesh.kill(1, signal=sig)
+        got = mesh.exec(ALL_REDUCE, timeout=60)
+        assert got == dict.fromkeys(range(3), 3.0), got
+        after = _pids(mesh)
+        assert after[1] != before[1]
+        assert [after[r] for r in (0, 2)] == [before[r] for r in (0, 2)]
+        assert mesh.status()[1]["incarnation"] == 1
+
+
 # -- 4: false alarms -------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_a_logging_elastic_run_with_deaths_is_not_reported_without_progress(

@@ -58,7 +58,7 @@ from .launchers import Launcher, LocalLauncher
 from .metricstore import MetricsStore
 from .output import CallOutput
 from .policy import RestartPolicy
-from .rankstates import GONE, LIVE, ON_ITS_WAY, RankState
+from .rankstates import GONE, LIVE, ON_ITS_WAY, WAIT_FOR, RankState
 from .ranktable import RankInfo, RankTable, describe_exit, free_port
 from .recovery import Recovery
 from .supervisor import Supervisor
@@ -190,6 +190,11 @@ class Controller:
 
     def restart(self, ranks: tuple[int, ...]) -> None:
         self.recovery.restart(ranks)
+
+    def kill(self, rank: int, sig: int) -> None:
+        """Send ``sig`` to ``rank`` (thread-safe; fault injection): KILL or
+        TERM make it DYING before the next call is sent (recovery.py)."""
+        self.io.call_soon(lambda: self.recovery.kill(rank, sig))
 
     def request_stacks_blocking(self, *args: Any, **kwargs: Any) -> Any:
         return self.inspector.request_stacks_blocking(*args, **kwargs)
@@ -397,7 +402,7 @@ class Controller:
     def _recovering(self, rank: int) -> bool:
         """``rank`` is being brought back (the hang watchdog waits meanwhile)."""
         state = self.ranks[rank].state
-        return (state in ON_ITS_WAY or state == RankState.DEAD
+        return (state in WAIT_FOR or state == RankState.DEAD
                 or rank in self.recovery.awaiting_reform or self.recovery.policy.reform_pending())
 
     def _announce(self, line: str) -> None:

@@ -15,6 +15,10 @@ Per rank::
        |                 |                                  \\--Died--> WAITING
        |                 \\--(budget spent)--> FAILED (GiveUp; only restart() revives it)
        \\--Died, mode "off"--> DEAD (Report)
+    (any but FAILED) --HostLost--> LOST (Report; no budget spent)
+                                   \\--spare host given--> RESPAWNING (Respawn(host=spare))
+    RUNNING --Probed(in_collective)--> RESPAWNING (ReplaceStuck: a new incarnation)
+    FAILED / LOST / DEAD --RestartRequested--> WAITING
 
 Modes: ``rank`` replaces only the dead rank; ``all`` replaces every rank
 (the survivors are restarted too, torchrun-style); ``off`` reports and keeps
@@ -41,6 +45,7 @@ class RankPhase(str, enum.Enum):
     RESPAWNING = "respawning"  # new process started, not ready yet
     DEAD = "dead"  # mode off: stays dead
     FAILED = "failed"  # restart budget spent
+    LOST = "lost"  # its host is gone (not a failure of the rank: no budget spent)
 
 
 # -- events ------------------------------------------------------------------
@@ -76,7 +81,29 @@ class Timer:
     now: float
 
 
-Event = Died | Ready | RestartRequested | Timer
+@dataclass(frozen=True)
+class HostLost:
+    """A host is gone with ``ranks`` on it (the host agent's report). With a
+    ``spare`` host they are respawned there at once, else they stay LOST
+    until a restart."""
+
+    host: str
+    ranks: tuple[int, ...]
+    now: float
+    spare: str | None = None
+
+
+@dataclass(frozen=True)
+class Probed:
+    """Where a member that has not answered its REFORM stands: still inside
+    the old group's collective (``in_collective``), or computing."""
+
+    rank: int
+    in_collective: bool
+    now: float
+
+
+Event = Died | Ready | RestartRequested | Timer | HostLost | Probed
 
 
 # -- actions -----------------------------------------------------------------
@@ -86,6 +113,7 @@ Event = Died | Ready | RestartRequested | Timer
 class Respawn:
     rank: int
     incarnation: int
+    host: str = ""  # where ("": where it was)
 
 
 @dataclass(frozen=True)
@@ -115,7 +143,16 @@ class Report:
     message: str
 
 
-Action = Respawn | Kill | Reform | GiveUp | Report
+@dataclass(frozen=True)
+class ReplaceStuck:
+    """Replace a live member stuck in the old group's collective: a new
+    process (``incarnation``) in the current generation, not a failure."""
+
+    rank: int
+    incarnation: int
+
+
+Action = Respawn | Kill | Reform | GiveUp | Report | ReplaceStuck
 
 
 @dataclass
@@ -158,6 +195,13 @@ class RestartPolicy:
             return []
         if isinstance(event, RestartRequested):
             return self._restart(event)
+        if isinstance(event, HostLost):
+            return self._host_lost(event)
+        if isinstance(event, Probed):
+            r = self.ranks[event.rank]
+            if not event.in_collective or r.phase != RankPhase.RUNNING:
+                return []  # computing: looked at again later
+            return [ReplaceStuck(event.rank, self.replace(event.rank))]
         return self._timer(event.now)
 
     # -- transitions -----------------------------------------------------------
@@ -165,7 +209,7 @@ class RestartPolicy:
         r = self.ranks[ev.rank]
         if ev.incarnation is not None and ev.incarnation < r.incarnation:
             return []  # a process we already replaced
-        if r.phase in (RankPhase.DEAD, RankPhase.FAILED, RankPhase.WAITING):
+        if r.phase in (RankPhase.DEAD, RankPhase.FAILED, RankPhase.WAITING, RankPhase.LOST):
             return []  # already handled (a second report of the same death)
         if self.mode == "off":
             r.phase = RankPhase.DEAD
@@ -200,6 +244,32 @@ class RestartPolicy:
             r.respawn_at = ev.now
         return actions + self._timer(ev.now)
 
+    def _host_lost(self, ev: HostLost) -> list[Action]:
+        actions: list[Action] = []
+        moved = []
+        for rank in ev.ranks:
+            r = self.ranks[rank]
+            if r.phase in (RankPhase.FAILED, RankPhase.LOST):
+                continue
+            r.phase = RankPhase.LOST  # no death in the window: the host failed, not the rank
+            r.respawn_at = None
+            moved.append(rank)
+            actions.append(Report(rank, f"rank {rank} lost: host {ev.host} lost"))
+        if ev.spare is None or not moved:
+            return actions
+        for rank in moved:
+            r = self.ranks[rank]
+            r.phase = RankPhase.RESPAWNING
+            r.incarnation += 1
+            actions.append(Respawn(rank, r.incarnation, host=ev.spare))
+        self.generation += 1
+        actions.append(Reform(self.generation, self._members()))
+        return actions
+
+    def _members(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.ranks)
+                     if r.phase in (RankPhase.RUNNING, RankPhase.RESPAWNING))
+
     def _timer(self, now: float) -> list[Action]:
         due = [i for i, r in enumerate(self.ranks)
                if r.phase == RankPhase.WAITING and r.respawn_at is not None and r.respawn_at <= now]
@@ -213,9 +283,7 @@ class RestartPolicy:
             r.incarnation += 1
             actions.append(Respawn(rank, r.incarnation))
         self.generation += 1
-        members = tuple(i for i, r in enumerate(self.ranks)
-                        if r.phase in (RankPhase.RUNNING, RankPhase.RESPAWNING))
-        actions.append(Reform(self.generation, members))
+        actions.append(Reform(self.generation, self._members()))
         return actions
 
     def replace(self, rank: int) -> int:

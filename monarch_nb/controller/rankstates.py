@@ -14,6 +14,11 @@ table of allowed moves, and the diagram that the table makes true.
        |                |
        +--Respawn-------+--GiveUp--> FAILED --restart--> RESPAWNING
     (any) --stop--> STOPPED  (final)
+    READY/BUSY/RESPAWNING --kill requested by us--> DYING --exit--> DEAD
+
+``DYING``: we sent a KILL or TERM (``mesh.kill``, ``%monarch kill``, chaos)
+and have not seen the exit yet; calls to it wait, as for a rank on its way
+back, and run on the group re-formed after its respawn.
 
 ``STARTING`` is a rank's first process; ``RESPAWNING`` any later one, on
 its way until it says READY (calls to it wait). ``DEAD`` is the moment
@@ -38,6 +43,7 @@ class RankState(str, enum.Enum):
     READY = "ready"
     BUSY = "busy"
     RESPAWNING = "respawning"  # a new process is on its way (calls to it wait)
+    DYING = "dying"  # we asked it to die, its exit not seen yet (calls to it wait)
     DEAD = "dead"  # exited; the policy decides (or respawn off: stays dead)
     FAILED = "failed"  # restart budget spent
     STOPPED = "stopped"
@@ -46,9 +52,10 @@ class RankState(str, enum.Enum):
 S = RankState
 TRANSITIONS: dict[RankState, frozenset[RankState]] = {
     S.STARTING: frozenset({S.READY, S.DEAD, S.RESPAWNING, S.STOPPED}),
-    S.READY: frozenset({S.BUSY, S.DEAD, S.RESPAWNING, S.STOPPED}),
-    S.BUSY: frozenset({S.READY, S.DEAD, S.RESPAWNING, S.STOPPED}),
-    S.RESPAWNING: frozenset({S.READY, S.DEAD, S.RESPAWNING, S.STOPPED}),
+    S.READY: frozenset({S.BUSY, S.DEAD, S.RESPAWNING, S.DYING, S.STOPPED}),
+    S.BUSY: frozenset({S.READY, S.DEAD, S.RESPAWNING, S.DYING, S.STOPPED}),
+    S.RESPAWNING: frozenset({S.READY, S.DEAD, S.RESPAWNING, S.DYING, S.STOPPED}),
+    S.DYING: frozenset({S.DEAD, S.RESPAWNING, S.STOPPED}),
     S.DEAD: frozenset({S.RESPAWNING, S.FAILED, S.STOPPED}),
     S.FAILED: frozenset({S.RESPAWNING, S.STOPPED}),
     S.STOPPED: frozenset(),
@@ -58,6 +65,8 @@ del S
 LIVE = frozenset({RankState.READY, RankState.BUSY})  # a process that takes calls now
 GONE = frozenset({RankState.DEAD, RankState.FAILED, RankState.STOPPED})  # no process
 ON_ITS_WAY = frozenset({RankState.STARTING, RankState.RESPAWNING})  # a process, not ready yet
+# calls to these wait (their process is on its way, or on its way out at our request)
+WAIT_FOR = frozenset({RankState.STARTING, RankState.RESPAWNING, RankState.DYING})
 
 
 class IllegalTransition(RuntimeError):

@@ -32,6 +32,7 @@ Non-goals: deciding (policy.py), messages (core.py), calls (calltable.py).
 from __future__ import annotations
 
 import functools
+import signal as signal_mod
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,18 +48,21 @@ from .calltable import CallTable, PendingCall
 from .events import EventKind
 from .output import CallOutput
 from .policy import (
+    Action,
     Died,
     GiveUp,
     Kill,
+    Probed,
     Ready,
     Reform,
+    ReplaceStuck,
     Report,
     Respawn,
     RestartPolicy,
     RestartRequested,
     Timer,
 )
-from .rankstates import GONE, LIVE, ON_ITS_WAY, RankState
+from .rankstates import GONE, LIVE, WAIT_FOR, RankState
 from .ranktable import RankInfo, RankTable, describe_exit, free_port, signal_name
 from .supervisor import RankProcess, Supervisor
 
@@ -158,6 +162,8 @@ class Recovery:
         self.keep_spare(time.monotonic())  # a backoff started: use the wait
 
     def on_ready(self, info: RankInfo, msg: Message) -> None:
+        if info.state == RankState.DYING:
+            return  # we asked it to die: its exit is what counts now
         self.ranks.move(info.rank, RankState.READY)
         info.device = str(meta_of(msg, Kind.READY).get("device", ""))
         info.ready_at = time.monotonic()
@@ -191,10 +197,26 @@ class Recovery:
         """Where a member that has not answered its REFORM stands."""
         if info.rank not in self.awaiting_reform:
             return
-        if RankStacks(info.rank, "ok", threads).collective():
-            self.replace_stuck(info.rank)  # still in the old group's collective
+        in_collective = RankStacks(info.rank, "ok", threads).collective()
+        if in_collective and info.state in LIVE and self.supervisor.procs.get(info.rank):
+            # the policy decides (a new incarnation); replace_stuck carries it out
+            self.apply(self.policy.handle(Probed(info.rank, True, time.monotonic())))
         else:  # busy computing: leave it, look again later
             self.awaiting_reform[info.rank] = time.monotonic() + REFORM_GRACE_S
+
+    def kill(self, rank: int, sig: int) -> None:
+        """Send ``sig`` to ``rank``'s process (fault injection: ``mesh.kill``).
+        For a signal that ends it (KILL, TERM) the rank is DYING at once, so
+        a call issued right after waits for its respawn and runs on the
+        re-formed group instead of meeting the death half-way. Runs on the
+        thread that leads the I/O loop."""
+        info = self.ranks[rank]
+        proc = self.supervisor.procs.get(rank)
+        if (sig in (signal_mod.SIGKILL, signal_mod.SIGTERM) and self.started and not self.stopped
+                and proc is not None and proc.popen.poll() is None
+                and info.state in LIVE | {RankState.RESPAWNING}):
+            self.ranks.move(rank, RankState.DYING)
+        self.supervisor.signal(rank, sig)
 
     def restart(self, ranks: tuple[int, ...]) -> None:
         """Replace ``ranks`` with new processes (thread-safe; user request)."""
@@ -232,7 +254,7 @@ class Recovery:
             return True
         for r in ranks:
             state = self.ranks[r].state
-            if state in ON_ITS_WAY or (state == RankState.DEAD and self.policy.coming_back(r)):
+            if state in WAIT_FOR or (state == RankState.DEAD and self.policy.coming_back(r)):
                 return True
         return False
 
@@ -248,7 +270,7 @@ class Recovery:
                 call.progressed(now)
 
     # -- the policy's actions ---------------------------------------------------------
-    def apply(self, actions: list[Any]) -> None:
+    def apply(self, actions: list[Action]) -> None:
         for action in actions:
             if isinstance(action, Report):
                 self._announce(f"monarch_nb: {action.message}")
@@ -263,6 +285,8 @@ class Recovery:
                 self.ranks[action.rank].incarnation = action.incarnation
             elif isinstance(action, Reform):
                 self._reform(action)
+            elif isinstance(action, ReplaceStuck):
+                self.replace_stuck(action.rank, action.incarnation)
 
     def _kill(self, rank: int) -> None:
         """Mode ``all`` or a user's restart: the live process goes now; its
@@ -330,7 +354,7 @@ class Recovery:
                           f"generation {action.generation}, ranks {list(action.ranks)}")
         self.send_waiting()  # behind the REFORM on every live member's socket
 
-    def replace_stuck(self, rank: int) -> None:
+    def replace_stuck(self, rank: int, incarnation: int) -> None:
         """A member still inside the old group's collective after the grace:
         replace its process in the current generation. An elastic call is
         re-issued on the new one, which takes its state from a live peer."""
@@ -345,7 +369,7 @@ class Recovery:
                                                 "the group changed"),
                         coming_back=True)
         self.ranks.move(rank, RankState.RESPAWNING)
-        self.start_process(rank, self.policy.replace(rank))
+        self.start_process(rank, incarnation)
         self.ranks.record(rank, EventKind.REPLACED,
                           f"stuck in a collective; joins generation {self.generation}")
         self._announce(f"monarch_nb: rank {rank} was stuck in a collective after the group "
