@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import time
 from collections.abc import Iterator
 
 import pytest
