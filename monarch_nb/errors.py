@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .rankspans import format_ranks
+from .results import RankResults
 
 
 class MonarchError(Exception):
@@ -225,6 +226,8 @@ class RankErrors(MonarchError):
     total: int = 0
 
     def __post_init__(self) -> None:
+        if type(self.results) is dict:
+            self.results = RankResults(self.results)
         Exception.__init__(self, self._headline())
 
     def _headline(self) -> str:
@@ -251,6 +254,8 @@ class RankErrors(MonarchError):
 
     def render_lines(self) -> list[str]:
         lines = [f"RankErrors: {self._headline()}"]
+        if self.results:  # what the others computed is kept in .results: say so
+            lines.append(f"--- {_succeeded(self.results)} (kept in .results)")
         for ranks, err in self.groups():
             who = f"rank {format_ranks(ranks)}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
             if isinstance(err, RemoteError):
@@ -277,6 +282,34 @@ class RankErrors(MonarchError):
 
     def __reduce__(self) -> tuple[Any, ...]:  # keep picklable (multiprocessing, xdist)
         return (RankErrors, (self.errors, self.results, self.total))
+
+
+def _succeeded(results: Mapping[int, object], width: int = 400) -> str:
+    """``rank 2 returned 7`` / ``ranks 0,3 returned: rank 0: 1; rank 3: 2``,
+    equal values once (RankResults' repr), long reprs cut."""
+    ranks = sorted(results)
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+    try:
+        text = repr(results[ranks[0]]) if len(ranks) == 1 else repr(results)
+    except Exception as exc:  # a user's __repr__ that fails must not hide the errors
+        text = f"<repr failed: {type(exc).__name__}>"
+    if text.startswith("RankResults(") and text.endswith(")"):
+        text = text[len("RankResults("):-1]
+    if len(text) > width:
+        text = text[:width] + "..."
+    return f"{who} succeeded: {text}"
+
+
+def quote_first_line(text: str, limit: int = 200) -> str:
+    """A backend's message (gloo, nccl) quoted in ours: its first line;
+    one longer than ``limit`` is cut after the last sentence that fits,
+    never mid-word, else kept whole (no sentence end: cutting it would
+    lose the point)."""
+    line = text.strip().splitlines()[0].strip() if text.strip() else ""
+    if len(line) <= limit:
+        return line
+    ends = [m.end() for m in re.finditer(r"[.!?;](?=\s)", line[:limit + 1])]
+    return line[:ends[-1]] + " ..." if ends else line
 
 
 _PEER_LOSS = ("connection closed by peer", "connection reset", "broken pipe",

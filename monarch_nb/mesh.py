@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import backends
+from . import backends, notices
 from .config import MeshConfig, check_hang_timeout
 from .controller import launchers, limits, timeline
 from .controller.collectives import (
@@ -282,6 +282,7 @@ class Mesh(_RankSet):
         self._ctl = controller
         self._sel = tuple(range(controller.world_size))
         self.config = controller.cfg
+        self._told = 0.0  # events up to this time were said (notices.py)
 
     # -- life cycle ------------------------------------------------------------
     @classmethod
@@ -520,6 +521,7 @@ class Mesh(_RankSet):
         waiting policy: timeout -> interrupt + CallTimeout; Ctrl-C ->
         interrupt the ranks, let them settle, re-raise."""
         ctl = self._live()
+        self._tell_respawns(ctl)
         issued: list[MeshFuture] = []
         try:
             fut = ctl.call(kind, ranks, payload, meta, None, timeout,
@@ -530,8 +532,23 @@ class Mesh(_RankSet):
             return fut.result()
         except KeyboardInterrupt:
             if issued:  # interrupt this call, never some other one
-                _warn_collective(self._interrupt_and_settle(issued[0]))
+                where = self._interrupt_and_settle(issued[0])
+                _warn_collective(where)
+                raise notices.CellInterrupted(where) from None
             raise
+        finally:  # what happened meanwhile was announced to this call
+            self._told = max([self._told, *(e.time for e in list(ctl.events)[-1:])])
+
+    def _tell_respawns(self, ctl: Controller) -> None:
+        """First line of a call's output: ranks respawned since the last
+        call (their namespaces are new), from the event log."""
+        events = self.events
+        lines = notices.respawn_notices(events, self._told,
+                                        (str(c.get("name", "")) for c in ctl.calls.setup_cells))
+        if events:
+            self._told = max(self._told, float(events[-1]["time"]))
+        for line in lines:
+            print(line, file=sys.stderr)
 
     def wait(self, future: MeshFuture, timeout: float | None = None) -> RankResults:
         """Wait for a future from ``run_async``/``exec_async`` (leading the
@@ -540,8 +557,9 @@ class Mesh(_RankSet):
             if not self._ctl.wait(future, timeout):
                 raise concurrent.futures.TimeoutError(f"call still running after {timeout} s")
         except KeyboardInterrupt:
-            _warn_collective(self._interrupt_and_settle(future))
-            raise
+            where = self._interrupt_and_settle(future)
+            _warn_collective(where)
+            raise notices.CellInterrupted(where) from None
         return future.result()
 
     def _interrupt_and_settle(self, fut: MeshFuture) -> dict[int, str]:

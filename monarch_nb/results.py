@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .selection import format_ranks
+from .rankspans import format_ranks
 
 
 class RankResults(dict):

@@ -311,3 +311,56 @@ def test_errors_pickle_round_trip(err):
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is type(err)
     assert str(back) == str(err)
+
+
+# -- the ranks that succeeded, and backend messages quoted (issue 28, item 5) ----------
+
+def test_rank_errors_show_and_keep_the_values_of_the_ranks_that_succeeded():
+    from monarch_nb.results import RankResults
+
+    err = RankErrors({1: value_error(1), 3: value_error(3)}, results={0: 10, 2: 12})
+    assert isinstance(err.results, RankResults) and dict(err.results) == {0: 10, 2: 12}
+    lines = err.render_lines()
+    assert lines[1] == "--- ranks 0,2 succeeded: {0: 10, 2: 12} (kept in .results)", lines
+    assert err._render_traceback_() == lines
+    assert "ranks 0,2 succeeded: {0: 10, 2: 12}" in str(err)
+    same = RankErrors({1: value_error(1)}, results={0: 5, 2: 5, 3: 5})
+    assert "--- ranks 0,2,3 succeeded: ranks 0,2,3: 5 (kept in .results)" in same.render_lines()
+    one = RankErrors({1: value_error(1)}, results={0: "x" * 1000})
+    shown = one.render_lines()[1]
+    assert shown.startswith("--- rank 0 succeeded: 'xxx") and len(shown) < 500
+    assert RankErrors({0: value_error(0)}).render_lines()[1].startswith("--- rank 0: ValueError")
+
+
+def test_rank_errors_results_survive_pickling():
+    err = pickle.loads(pickle.dumps(RankErrors({1: value_error(1)}, {0: 7}, 2)))
+    assert type(err.results).__name__ == "RankResults" and err.results == {0: 7}
+
+
+GLOO = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+        "[127.0.0.1]:41234. This may indicate a possible application crash on rank 0 or a "
+        "network set up issue; it can also be caused by bugs in the application that make "
+        "one rank leave a collective early. Check the logs of every rank.\nsecond line")
+
+
+def test_quoted_backend_messages_are_cut_at_a_sentence_never_mid_word():
+    text = errors.quote_first_line(GLOO)
+    assert text.endswith(" ...") and not text.endswith("applic ...")
+    assert text.removesuffix(" ...")[-1] in ".;", text
+    assert len(text) <= 204 and "second line" not in text
+    assert errors.quote_first_line("short. message\nmore") == "short. message"
+    no_end = "x" * 150 + " word" * 30
+    assert errors.quote_first_line(no_end) == no_end  # no sentence end: kept whole
+    assert errors.quote_first_line("") == ""
+
+
+def test_membership_changed_quotes_gloo_without_cutting_a_word():
+    from monarch_nb.controller.calltable import classify_membership
+
+    errs: dict[int, BaseException] = {0: RemoteError(0, "RuntimeError", GLOO),
+                                      1: RankDied(1, signal_name="SIGKILL")}
+    classify_membership(errs)
+    changed = errs[0]
+    assert isinstance(changed, MembershipChanged)
+    assert "bugs in the applic" not in str(changed)
+    assert changed.detail == errors.quote_first_line(GLOO)

@@ -33,6 +33,7 @@ from ..errors import (
     RankErrors,
     RemoteError,
     is_peer_loss,
+    quote_first_line,
 )
 from ..futures import MeshFuture
 from ..results import RankResults
@@ -254,4 +255,4 @@ def classify_membership(errors: dict[int, BaseException]) -> None:
         return
     for rank, err in list(errors.items()):
         if isinstance(err, RemoteError) and is_peer_loss(f"{err.type_name} {err.message}"):
-            errors[rank] = MembershipChanged(rank, dead, err.message.splitlines()[0][:200])
+            errors[rank] = MembershipChanged(rank, dead, quote_first_line(err.message))

@@ -40,6 +40,8 @@ import re
 import signal as signal_mod
 from collections.abc import Iterable, Sequence
 
+from ..errors import quote_first_line
+
 HIGH_RSS_FRACTION = 0.25  # of the machine's memory: a SIGKILL then is probably the OOM killer
 # of a cgroup's limit: heartbeats come every 0.5 s, and memory that grows
 # fast passes the last reading by a lot before the kill
@@ -186,7 +188,7 @@ def timeout_hint(log_tail: Sequence[str]) -> str:
     for line in reversed(log_tail):
         if _TIMEOUT.search(line):
             text = line.strip()
-            return f"a collective timed out: {text[:240]}{'...' if len(text) > 240 else ''}"
+            return f"a collective timed out: {quote_first_line(text, 240)}"
     return ""
 
 

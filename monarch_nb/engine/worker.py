@@ -163,7 +163,26 @@ class Worker:
         flightrec.install()  # the collective flight recorder (on by default)
         # argparse names the program after sys.argv[0]: the cell, not worker.py
         self._cell_argv = sys.argv = ["<mnb-cell>"]
+        self._prime_namespace()
         self._send_main(Kind.READY, meta={"device": device, "pid": os.getpid()})
+
+    def _prime_namespace(self) -> None:
+        """The names every rank's user namespace starts with (README, "Rank
+        namespaces"): ``mnb``, ``torch``, ``dist``, ``rank``, ``world_size``,
+        ``local_rank``, ``device``. Set at start (a respawned rank gets its
+        own) and again after each re-formation, from the group itself."""
+        import torch
+        import torch.distributed as dist
+
+        # The package this rank runs from, already loaded (its __init__ ran
+        # before this module): handed to the user as `mnb`, not imported here,
+        # so the engine takes no dependency on the root's front-end hooks.
+        mnb = sys.modules[__name__.partition(".")[0]]
+        world = dist.get_world_size() if dist.is_initialized() else self.env.world_size
+        _context._set(world_size=world)
+        self.namespace.update(mnb=mnb, torch=torch, dist=dist, rank=self.env.rank,
+                              world_size=world, local_rank=self.env.local_rank,
+                              device=_context.device())
 
     # -- main thread -----------------------------------------------------------
     def serve(self) -> None:
@@ -185,6 +204,7 @@ class Worker:
                     self.members.reform(msg)
                 except RuntimeError:
                     pass  # reported to the controller in REFORMED
+                self._prime_namespace()
             elif msg.kind == Kind.STOP:
                 break
         self._exit(0)

@@ -44,6 +44,8 @@ HELP = """\
     run the cell on the ranks; SPEC is 3, 0,2, 1-3, ::2 or all.
     --check-collectives: the ranks compare each collective first; a mismatch fails at once.
     breakpoint() in a cell opens pdb here, one rank at a time (c goes to the next).
+    Defined in every rank's namespace (also after a respawn): mnb, torch, dist
+    (torch.distributed), rank, world_size, local_rank, device (cuda:0 or cpu).
 """
 
 
