@@ -14,6 +14,7 @@ from typing import Any
 
 import psutil
 import pytest
+
 import monarch_nb as mnb
 from monarch_nb import Mesh
 
