@@ -10,6 +10,7 @@ Non-goals: when to keep a spare (recovery), spawning ranks (supervisor).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -43,7 +44,7 @@ def assign(popen: subprocess.Popen[bytes], env: dict[str, str], log_path: str) -
     """Make a waiting spare rank ``env``; False if it is gone."""
     if popen.poll() is not None or popen.stdin is None:
         return False
-    line = json.dumps({"env": env, "log": log_path}).encode() + b"\n"
+    line = json.dumps({"env": env, "log": log_path, "cwd": os.getcwd()}).encode() + b"\n"
     try:
         popen.stdin.write(line)
         popen.stdin.close()

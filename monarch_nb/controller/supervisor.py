@@ -14,6 +14,16 @@ Exit detection: each child's pidfd is watched by the I/O thread's poller, so a
 death is seen as soon as it happens; where pidfds do not exist the controller's
 tick polls instead.
 
+A rank's whole process tree goes with it: every local rank (and spare) is
+started in its own session (``start_new_session``), so it leads a process
+group holding everything it forks (DataLoader workers, ``subprocess``
+children). When a rank's exit is reaped, or when we kill it, the group is
+sent SIGKILL at once (``kill_tree``): orphaned workers would otherwise hold
+its gloo sockets open until their own parent check (5 s for a DataLoader)
+and keep the survivors from noticing. The group id stays allocated while
+any member lives, so the signal cannot reach a stranger. A host agent
+supervising ranks elsewhere reuses ``kill_tree`` the same way.
+
 Non-goals: what to do about a death (controller now, policy.py later).
 """
 
@@ -115,10 +125,7 @@ class Supervisor:
             "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         })
         env.update(self.extra_env)
-        # torchrun's default for several ranks on one machine (it prints the
-        # notice once, as launch.py and %monarch start do); never over the user's
-        if place.local_world_size > 1:
-            env.setdefault("OMP_NUM_THREADS", "1")
+        self._thread_defaults(env, place.local_world_size)
         env.update({
             "RANK": str(rank),
             "LOCAL_RANK": str(place.local_rank),
@@ -157,6 +164,14 @@ class Supervisor:
             env["LOCAL_RANK"] = "0"  # torchrun's --virtual-local-rank: its one GPU is cuda:0
         return env
 
+    @staticmethod
+    def _thread_defaults(env: dict[str, str], local_world_size: int) -> None:
+        """torchrun's default for several ranks on one machine (it prints the
+        notice once, as launch.py and %monarch start do); never over the
+        user's. A spare gets it too: torch reads it at import (spare.py)."""
+        if local_world_size > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")
+
     def start_spare(self) -> None:
         """Start a spare process for the next respawn (see spares.py). Local
         ranks only: a remote rank's interpreter starts on its node."""
@@ -167,6 +182,8 @@ class Supervisor:
         env.pop(config.ENV_KEY_FILE, None)
         env.pop(config.ENV_KEY, None)
         env.pop(config.ENV_LINK_FD, None)  # its own comes with the assignment
+        env.update(self.extra_env)  # what torch reads at import is the rank's
+        self._thread_defaults(env, self.launcher.placement(0, self.world_size).local_world_size)
         env.update({config.ENV_PARENT_PID: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
         self._spares += 1
         self.spare_log = os.path.join(self.log_dir, f"spare{self._spares}.log")
@@ -283,6 +300,8 @@ class Supervisor:
         code = proc.popen.poll()
         if code is not None and not proc.reaped:
             proc.reaped = True
+            if not self.launcher.remote:
+                kill_tree(proc.pid)  # its DataLoader workers and other children
             if proc.pidfd is not None:
                 try:
                     os.close(proc.pidfd)
@@ -386,6 +405,8 @@ class Supervisor:
                 os.kill(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        if not self.launcher.remote:
+            kill_tree(proc.pid)
 
     def terminate_all(self, grace: float = 3.0) -> None:
         """SIGTERM-free stop: ranks were asked to STOP over the socket by the
@@ -429,6 +450,16 @@ class Supervisor:
         import shutil
 
         shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+def kill_tree(leader: int, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to the process group ``leader`` started (a rank or a
+    spare: each leads its own session), i.e. to everything it forked that
+    did not leave the group; nothing if the group is empty."""
+    try:
+        os.killpg(leader, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _close_stdin(proc: RankProcess) -> None:

@@ -10,6 +10,14 @@ environment (rank, incarnation, identity, key, device pinning...) and log file
 to the pipe; the spare applies them and carries on as an ordinary worker,
 joining the new group at once.
 
+A rank made from a spare is the rank a fresh start would give: the spare is
+started with the settings read when torch is imported (the rank's
+``OMP_NUM_THREADS`` default, so its intra- and inter-op thread pools are
+sized alike: the inter-op count can be set only once, before any work), and
+at hand-off it takes the rank's whole environment (replacing its own), its
+working directory, the ``sys.path`` entries those give, and its torch thread
+count (``apply``).
+
 Why this is safe on GPUs: ``import torch`` does not initialise CUDA or HIP;
 the device pinning variables are read when the runtime initialises, which
 happens after the assignment, like in a rank started from scratch.
@@ -47,8 +55,7 @@ def wait_for_assignment(stdin: IO[bytes] | None = None) -> None:
     if not line:
         os._exit(0)  # closed without an assignment: not needed any more
     assignment = json.loads(line)
-    os.environ.update({str(k): str(v) for k, v in assignment["env"].items()})
-    os.environ.pop(ENV_SPARE, None)
+    apply(assignment)
     fd = os.open(assignment["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -56,3 +63,30 @@ def wait_for_assignment(stdin: IO[bytes] | None = None) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+
+
+def apply(assignment: dict[str, object]) -> None:
+    """Become the rank ``assignment`` describes, as if started fresh with its
+    environment in its working directory (logs aside: see above)."""
+    import torch
+
+    env = assignment["env"]
+    assert isinstance(env, dict)
+    old_path = os.environ.get("PYTHONPATH", "")
+    os.environ.clear()
+    os.environ.update({str(k): str(v) for k, v in env.items()})
+    os.environ.pop(ENV_SPARE, None)
+    cwd = assignment.get("cwd")
+    if isinstance(cwd, str) and cwd != os.getcwd():
+        os.chdir(cwd)
+        if sys.path and not sys.path[0].endswith(".zip"):
+            sys.path[0] = cwd  # ``python -m``'s first entry: the start directory
+    new_path = os.environ.get("PYTHONPATH", "")
+    if new_path != old_path:  # the entries PYTHONPATH put after sys.path[0]
+        old = [p for p in old_path.split(os.pathsep) if p]
+        new = [os.path.abspath(p) for p in new_path.split(os.pathsep) if p]
+        rest = [p for p in sys.path[1:] if p not in {os.path.abspath(q) for q in old}]
+        sys.path[1:] = new + rest
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
+        torch.set_num_threads(int(threads))
