@@ -15,7 +15,10 @@ depend on the number of ranks: it is Python work on the calling rank):
 4. strict mode (``check_collectives=True``) on that all_reduce: the store
    round trip each collective adds (with one rank the exchange is with
    itself, through the TCP store: the floor of what it costs);
-5. torch's own flight recorder (``TORCH_FR_BUFFER_SIZE``, which ranks turn
+5. the ring kept in a memory-mapped file too (what survives a rank's death,
+   on by default on ranks): the wrapper around the no-op, without and with
+   that file, and the all_reduce and training step above run with it;
+6. torch's own flight recorder (``TORCH_FR_BUFFER_SIZE``, which ranks turn
    on to see DDP's and FSDP's collectives) on that all_reduce: torch reads
    the size once per process, so each side runs in child processes,
    alternating, the best kept.
@@ -110,6 +113,12 @@ def main() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     context._set(rank=0, world_size=1, generation=0)
     raw = dist.all_reduce
+    import tempfile
+
+    kept = tempfile.mkdtemp(prefix="mnb-flightrec-bench-")
+    persisting = hasattr(flightrec, "persist")  # main's code before issue 29 has none
+    if persisting:
+        flightrec.persist(os.path.join(kept, "rank0.flight"))
     flightrec.install()
     wrapped = dist.all_reduce
     flightrec.uninstall()
@@ -126,6 +135,13 @@ def main() -> None:
     noop_wrapped = flightrec._wrap("all_reduce", noop, rec)
     rows.append(("wrapper around a no-op (µs/call)",
                  *compare(lambda: noop(x), lambda: noop_wrapped(x), n * 10, rounds)))
+
+    if persisting:
+        kept_rec = flightrec.Recorder()
+        flightrec.persist(os.path.join(kept, "noop.flight"), kept_rec)
+        noop_kept = flightrec._wrap("all_reduce", noop, kept_rec)
+        rows.append(("wrapper around a no-op, ring in a file (µs/call)",
+                     *compare(lambda: noop_wrapped(x), lambda: noop_kept(x), n * 10, rounds)))
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
@@ -156,6 +172,9 @@ def main() -> None:
                           max(3, rounds // 4))))
     flightrec.end_check(True, strict)
     dist.destroy_process_group()
+    import shutil
+
+    shutil.rmtree(kept, ignore_errors=True)
     rows.append(("all_reduce float32[8], torch's own recorder (µs/call)",
                  *torch_recorder_row(n * 2, rounds)))
 

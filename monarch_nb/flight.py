@@ -203,5 +203,83 @@ def mismatch_text(heading: str, group: str, records: dict[int, OpRecord | None],
     return f"{heading}{where}: " + "; ".join(parts)
 
 
-__all__ = ["OpRecord", "encode", "decode", "from_torch", "current_torch_entries", "INSIDE_TORCH", "mismatch_text", "group_label", "label",
+# -- the persisted ring: what a rank's records leave behind when it dies ----------
+#
+# A file per rank incarnation beside its log (``rank2.0.flight``), mapped in
+# memory by the rank (engine/flightrec.py) and written with plain stores into
+# the mapping (no system call per record): a header, the identity of the call
+# it runs, and the last :data:`PERSIST_SLOTS` records. The page cache keeps
+# what was stored whatever kills the process (SIGKILL, SIGABRT, SIGSEGV, the
+# OOM killer); the controller reads it when it sees the death
+# (:func:`read_persisted`), then removes it.
+PERSIST_ENV = "MONARCH_NB_FLIGHT_FILE"
+PERSIST_MAGIC = b"MNBFLT1\0"
+PERSIST_HEAD = 1024  # magic, records made (<Q at 8), the call's identity (JSON at 64, NUL-ended)
+PERSIST_CALL_AT = 64
+PERSIST_SLOTS = 64
+PERSIST_SLOT = 384  # state (1 byte), t1 (<d), then the record's fields joined by \x1f, NUL-ended
+PERSIST_SIZE = PERSIST_HEAD + PERSIST_SLOTS * PERSIST_SLOT
+PERSIST_STATES = {"i": IN_FLIGHT, "d": DONE, "f": FAILED, "s": ISSUED}
+
+
+def persist_path(log_path: str) -> str:
+    """The persisted ring of the rank incarnation logging to ``log_path``."""
+    base = log_path[:-4] if log_path.endswith(".log") else log_path
+    return base + ".flight"
+
+
+def _opt_int(text: str) -> int | None:
+    return None if text in ("", "None") else int(text)
+
+
+def read_persisted(path: str, *, remove: bool = True) -> tuple[dict[str, Any], list[OpRecord]]:
+    """The call identity and the records (oldest first) a rank left in
+    ``path``; ({}, []) when there is none or it is not one; removed
+    after reading unless ``remove`` is False. Malformed slots are skipped."""
+    import json
+    import os
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read(PERSIST_SIZE)
+    except OSError:
+        return {}, []
+    finally:
+        if remove:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    if len(data) < PERSIST_SIZE or not data.startswith(PERSIST_MAGIC):
+        return {}, []
+    (total,) = struct.unpack_from("<Q", data, 8)
+    call: dict[str, Any] = {}
+    raw = data[PERSIST_CALL_AT:PERSIST_HEAD].split(b"\0", 1)[0]
+    if raw:
+        try:
+            loaded = json.loads(raw)
+            call = loaded if isinstance(loaded, dict) else {}
+        except ValueError:
+            call = {}
+    records = []
+    for index in range(max(0, total - PERSIST_SLOTS), total):
+        at = PERSIST_HEAD + (index % PERSIST_SLOTS) * PERSIST_SLOT
+        state = PERSIST_STATES.get(chr(data[at]))
+        (t1,) = struct.unpack_from("<d", data, at + 1)
+        body = data[at + 9:at + PERSIST_SLOT].split(b"\0", 1)[0]
+        try:
+            fields = body.decode("utf-8", "replace").split("\x1f")
+            op, group, seq, tensors, device, root, peer, file, line, func, t0, gen = fields
+            records.append(OpRecord(
+                op=op, group=group, seq=int(seq), tensors=tensors, device=device,
+                root=_opt_int(root), peer=_opt_int(peer), file=file, line=int(line), func=func,
+                t0=float(t0), t1=None if state == IN_FLIGHT else t1,
+                state=state or IN_FLIGHT, generation=int(gen)))
+        except ValueError:
+            continue
+    return call, records
+
+
+__all__ = ["OpRecord", "encode", "decode", "persist_path", "read_persisted", "PERSIST_ENV", "from_torch", "current_torch_entries", "INSIDE_TORCH", "mismatch_text", "group_label", "label",
            "IN_FLIGHT", "DONE", "FAILED", "ISSUED", "P2P_OPS", "DEFAULT_GROUP"]

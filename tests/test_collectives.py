@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -505,6 +506,61 @@ def test_an_abort_is_named_with_the_line(mesh: Mesh) -> None:
     wait_for(lambda: mesh.status()[2]["state"] == "ready", timeout=60, what="rank 2 back")
 
 
+MISMATCH = """\
+import torch, torch.distributed as dist, monarch_nb as mnb
+x = torch.ones(4 if mnb.rank() == 2 else 8)
+dist.all_reduce(x)
+"""
+
+
+def _died(info: Any) -> tuple[int, RankDied]:
+    dead = [(r, e) for r, e in info.value.errors.items() if isinstance(e, RankDied)]
+    assert dead, str(info.value)
+    return dead[0]
+
+
+def test_a_shape_mismatch_that_aborts_a_rank_names_the_collective(mesh: Mesh) -> None:
+    # no strict mode: gloo aborts a rank; its persisted records say where
+    with pytest.raises(RankErrors) as info:
+        mesh.exec(MISMATCH, name="<mnb-cell-50>", timeout=60)
+    text = str(info.value)
+    rank, err = _died(info)
+    shape = "float32[4]" if rank == 2 else "float32[8]"
+    assert re.search(rf"rank {rank} died \(killed by SIG[A-Z]+\): in all_reduce #\d+ of "
+                     rf"{re.escape(shape)} from <mnb-cell-50> line 3 \(if the ranks called "
+                     r"different collectives there, strict mode, check_collectives=True, names "
+                     r"each rank's call before anything is sent\)", text), text
+    died = [e for e in mesh.events if e["kind"] == "died" and e["rank"] == rank][-1]
+    assert "in all_reduce #" in died["detail"] and "<mnb-cell-50> line 3" in died["detail"], died
+    assert err.cause_hint.startswith("in all_reduce #"), err.cause_hint
+    wait_for(lambda: all(s["state"] == "ready" for s in mesh.status()), timeout=90,
+             what="every rank back")
+
+
+KILLED_IN = """\
+import os, signal, threading, time, torch, torch.distributed as dist, monarch_nb as mnb
+x = torch.ones(8)
+if mnb.rank() == 1:   # killed while it waits in the all_reduce below
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+if mnb.rank() == 2:
+    time.sleep(4)
+dist.all_reduce(x)
+"""
+
+
+def test_a_rank_killed_while_waiting_in_a_collective_names_it(mesh: Mesh) -> None:
+    with pytest.raises(RankErrors) as info:
+        mesh.exec(KILLED_IN, name="<mnb-cell-51>", timeout=60)
+    text = str(info.value)
+    assert re.search(r"--- rank 1: RankDied: rank 1 died \(killed by SIGKILL\): in all_reduce "
+                     r"#\d+ of float32\[8\] from <mnb-cell-51> line 7; SIGKILL that monarch_nb "
+                     r"did not send", text), text
+    assert "strict mode" not in info.value.errors[1].cause_hint  # a kill, not a crash
+    wait_for(lambda: all(s["state"] == "ready" for s in mesh.status()), timeout=90,
+             what="every rank back")
+    in_step(mesh)
+
+
 def test_a_memory_error_that_ends_a_rank_is_named(mesh: Mesh, tmp_path: Path) -> None:
     # a rank that cannot go on after a MemoryError (here: it exits, as a
     # framework's error handler does), its traceback in its log
@@ -581,7 +637,7 @@ def test_a_rank_killed_by_the_oom_killer_in_its_cgroup(mesh: Mesh) -> None:
         text = str(info.value)
         assert re.search(r"--- rank 0: RankDied: rank 0 died \(killed by SIGKILL\): probably the "
                          r"kernel's OOM killer: its memory cgroup was last seen at \d+ MiB of its "
-                         r"256 MiB limit, last RSS seen \d+ MiB", text), text
+                         r"256 MiB limit, last RSS seen \d+ MiB; during <mnb-cell-42>", text), text
         died = [e for e in mesh.events if e["kind"] == "died" and e["rank"] == 0][-1]
         assert "probably the kernel's OOM killer" in died["detail"], died
         wait_for(lambda: mesh.status()[0]["state"] == "ready", timeout=60, what="rank 0 back")

@@ -30,6 +30,14 @@ than the exit status already says).
   RCCL's watchdog abort the process, gloo raises): the backend's line
   saying so, when the log has one ("a collective timed out: ...").
 
+* what it was doing (:func:`flight_hint`), from the records it left in its
+  persisted ring (engine/flightrec.py ``Persisted``, flight.read_persisted):
+  the collective it died in (``in all_reduce #4 of float32[4] from
+  <mnb-cell-7> line 3``), or the call it was running and its last
+  collective; dying of a crash inside a collective, a line suggests strict
+  mode, which names every rank's side of a disagreement before anything is
+  sent.
+
 Non-goals: the exit status itself (RankDied.cause), reading the log
 (supervisor.py).
 """
@@ -39,8 +47,10 @@ from __future__ import annotations
 import re
 import signal as signal_mod
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from ..errors import quote_first_line
+from ..flight import IN_FLIGHT, OpRecord
 
 HIGH_RSS_FRACTION = 0.25  # of the machine's memory: a SIGKILL then is probably the OOM killer
 # of a cgroup's limit: heartbeats come every 0.5 s, and memory that grows
@@ -64,13 +74,51 @@ _TIMEOUT = re.compile(r"collective operation timeout|before timing out|"
 
 def explain(code: int | None, log_tail: Sequence[str], *, last_rss: float | None = None,
             mem_total: float | None = None, sent: Iterable[int] = (),
-            mem_limit: float | None = None, mem_used: float | None = None) -> str:
+            mem_limit: float | None = None, mem_used: float | None = None,
+            flight: tuple[dict[str, Any], Sequence[OpRecord]] = ({}, ())) -> str:
     """The cause hint for a rank that exited with ``code`` (negative: a
     signal). ``sent``: the signals monarch_nb itself sent the process;
     ``mem_limit``, ``mem_used``: its memory cgroup's limit and last usage,
-    when it had a limit."""
+    when it had a limit; ``flight``: the call identity and records its
+    persisted ring kept (:func:`flight_hint`)."""
     if code is None:
         return ""
+    doing = flight_hint(code, *flight) if code < 0 else ""
+    why = _explain(code, log_tail, last_rss, mem_total, sent, mem_limit, mem_used)
+    if not (doing and why):
+        return doing or why
+    # the collective it died in first (what the user looks for), else the
+    # call it was running after the cause
+    return f"{doing}; {why}" if doing.startswith("in ") else f"{why}; {doing}"
+
+
+def flight_hint(code: int, call: dict[str, Any], records: Sequence[OpRecord]) -> str:
+    """What a dead rank was doing, from its persisted records: the
+    collective it was in, else the call it ran and its last collective;
+    "" when they tell nothing."""
+    last = records[-1] if records else None
+    text = ""
+    if last is not None and last.state == IN_FLIGHT:
+        what = f"{last.op} #{last.seq}" + (f" of {last.tensors}" if last.tensors else "")
+        text = f"in {what} from {last.where()}"
+        if code < 0 and -code in {int(s) for s in _CRASHES}:
+            text += (" (if the ranks called different collectives there, strict mode, "
+                     "check_collectives=True, names each rank's call before anything is sent)")
+        return text
+    name = call.get("name")
+    if isinstance(name, str) and name:
+        text = f"during {name}"
+        if isinstance(call.get("step"), int):
+            text += f" (step {call['step']})"
+    if last is not None:
+        done = f"{last.op} #{last.seq} from {last.where()}"
+        text = f"{text}, after {done}" if text else f"after {done}"
+    return text
+
+
+def _explain(code: int, log_tail: Sequence[str], last_rss: float | None,
+             mem_total: float | None, sent: Iterable[int], mem_limit: float | None,
+             mem_used: float | None) -> str:
     if code != 0:
         timed_out = timeout_hint(log_tail)
         if timed_out:
@@ -258,6 +306,6 @@ def _at(frame: tuple[str, int, str]) -> str:
     return at if func == "<module>" else f"{func} ({at})"
 
 
-__all__ = ["explain", "crash_hint", "crash_stack", "is_crash", "oom_hint", "exception_hint", "timeout_hint",
+__all__ = ["explain", "flight_hint", "crash_hint", "crash_stack", "is_crash", "oom_hint", "exception_hint", "timeout_hint",
            "HIGH_RSS_FRACTION",
            "NEAR_LIMIT_FRACTION"]

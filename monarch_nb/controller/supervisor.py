@@ -39,7 +39,7 @@ from typing import Any
 
 import psutil
 
-from .. import config
+from .. import config, flight
 from ..backends import BackendInfo, pin_env
 from ..wire import link as links
 from . import deathcause, logdirs, spares
@@ -58,6 +58,8 @@ class RankProcess:
     from_spare: bool = False  # a spare process became this rank (torch already imported)
     link: socket.socket | None = None  # our end of its link, until the I/O loop takes it
     sent: list[int] = field(default_factory=list)  # signals we sent it (a death's cause: deathcause.py)
+    # what its persisted flight records said when it was reaped (call identity, records)
+    flight: tuple[dict[str, Any], list[Any]] = ({}, [])
 
     @property
     def pid(self) -> int:
@@ -235,6 +237,7 @@ class Supervisor:
         if self.closed:  # stopping: the process is killed at once (below), its log is gone
             log_path = os.devnull
         env = self.env_for(rank, incarnation, identity)
+        env[flight.PERSIST_ENV] = "" if self.closed else flight.persist_path(log_path)
         popen = None
         ours: socket.socket | None = None
         if self.spare is not None:  # a waiting spare becomes this rank at once
@@ -302,6 +305,8 @@ class Supervisor:
             proc.reaped = True
             if not self.launcher.remote:
                 kill_tree(proc.pid)  # its DataLoader workers and other children
+            if proc.log_path != os.devnull:  # its records outlive it: read once, removed
+                proc.flight = flight.read_persisted(flight.persist_path(proc.log_path))
             if proc.pidfd is not None:
                 try:
                     os.close(proc.pidfd)
@@ -350,6 +355,7 @@ class Supervisor:
         except Exception:
             total = None
         return deathcause.explain(code, self._death_tail(rank, code), sent=proc.sent,
+                                  flight=proc.flight,
                                   last_rss=rss if isinstance(rss, (int, float)) else None,
                                   mem_total=None if self.launcher.remote else total,
                                   mem_limit=limit if isinstance(limit, (int, float)) else None,

@@ -48,7 +48,9 @@ import functools
 import importlib
 import inspect
 import json
+import mmap
 import os
+import struct
 import sys
 import time
 import weakref
@@ -112,6 +114,7 @@ class Recorder:
         self._internal: dict[str, bool] = {}
         # [call id, name, start, end, state] of the rank's recent calls
         self.calls: collections.deque[list[Any]] = collections.deque(maxlen=CALLS_KEPT)
+        self.persisted: Persisted | None = None  # the copy a death leaves behind
 
     # -- main thread -------------------------------------------------------------
     def group_name(self, group: Any) -> str:
@@ -249,6 +252,93 @@ def _grab(value: Any) -> Any:
         return None
 
 
+class Persisted:
+    """The rank's records where its death cannot take them: a small file
+    beside its log, mapped in memory (layout: flight.PERSIST_*). Each
+    record is a few stores into the mapping, no system call; the kernel
+    keeps the pages whatever kills the process, and the controller reads
+    them at the death (flight.read_persisted). Written by the main thread
+    only. The fields of a (dtype, shape) are worded once and cached."""
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, flight.PERSIST_SIZE)
+            self.mm = mmap.mmap(fd, flight.PERSIST_SIZE)
+        finally:
+            os.close(fd)
+        self.mm[0:8] = flight.PERSIST_MAGIC
+        self.path = path
+        self.total = 0
+        self.offset = time.time() - time.perf_counter()  # perf_counter -> wall clock
+        self.shapes: dict[Any, str] = {}
+
+    def put(self, row: list[Any]) -> int:
+        """Store a new record (in flight); its slot's offset, for :meth:`end`."""
+        tensor = row[_TENSOR]
+        desc = self.shapes.get(tensor) if tensor is not None else ""
+        if desc is None:
+            desc = self.shapes[tensor] = _describe(tensor) + "\x1f" + _device(tensor)
+            if len(self.shapes) > 256:
+                self.shapes.clear()
+        elif not desc:
+            desc = "\x1f"
+        body = (f"{row[_OP]}\x1f{row[_GROUP]}\x1f{row[_SEQ]}\x1f{desc}\x1f{row[_ROOT]}\x1f"
+                f"{row[_PEER]}\x1f{row[_FILE]}\x1f{row[_LINE]}\x1f{row[_FUNC]}\x1f"
+                f"{row[_T0] + self.offset!r}\x1f{row[_GEN]}").encode("utf-8", "replace")
+        body = body[:flight.PERSIST_SLOT - 10] + b"\0"
+        at = flight.PERSIST_HEAD + (self.total % flight.PERSIST_SLOTS) * flight.PERSIST_SLOT
+        mm = self.mm
+        mm[at] = 105  # "i": in flight
+        mm[at + 9:at + 9 + len(body)] = body
+        self.total += 1
+        _PACK_TOTAL.pack_into(mm, 8, self.total)
+        return at
+
+    def end(self, at: int, state: int, t1: float) -> None:
+        _PACK_T1.pack_into(self.mm, at + 1, t1 + self.offset)
+        self.mm[at] = state
+
+    def call(self, call: int, name: str, t0: float, step: Any = None) -> None:
+        """The identity of the call the rank starts (JSON, NUL-ended)."""
+        doc = {"call": call, "name": name, "t0": t0 + self.offset}
+        if step is not None:
+            doc["step"] = step
+        body = json.dumps(doc).encode()[:flight.PERSIST_HEAD - flight.PERSIST_CALL_AT - 1]
+        at = flight.PERSIST_CALL_AT
+        self.mm[at:at + len(body) + 1] = body + b"\0"
+
+    def call_over(self) -> None:
+        """No call runs (a death now is between calls)."""
+        self.mm[flight.PERSIST_CALL_AT] = 0
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+            os.unlink(self.path)
+        except (OSError, ValueError):
+            pass
+
+
+_PACK_TOTAL, _PACK_T1 = struct.Struct("<Q"), struct.Struct("<d")
+_S_DONE, _S_FAILED, _S_ISSUED = ord("d"), ord("f"), ord("s")
+
+
+def persist(path: str | None = None, recorder: Recorder | None = None) -> Persisted | None:
+    """Keep the records in the file ``path`` too (default: the one the
+    supervisor named in $MONARCH_NB_FLIGHT_FILE); None where none is named
+    or it cannot be made (the recorder then keeps them in memory only)."""
+    rec = recorder or RECORDER
+    path = path or os.environ.get(flight.PERSIST_ENV)
+    if not path:
+        return None
+    try:
+        rec.persisted = Persisted(path)
+    except OSError:
+        rec.persisted = None
+    return rec.persisted
+
+
 RECORDER = Recorder()
 _installed: dict[str, Callable[..., Any]] = {}
 
@@ -306,17 +396,23 @@ def _wrap(name: str, fn: Callable[..., Any], rec: Recorder) -> Callable[..., Any
             row = [name, gname, seq, tensor, root, peer, "", 0, "", perf(), None, IN_FLIGHT, gen]
         ring.append(row)
         rec.total += 1
+        kept = rec.persisted
+        at = kept.put(row) if kept is not None else 0
         try:
             out = fn(*args, **kwargs)
         except BaseException:
             row[_T1] = perf()
             row[_STATE] = FAILED
+            if kept is not None:
+                kept.end(at, _S_FAILED, row[_T1])
             raise
         row[_T1] = perf()
         if out is not None and hasattr(out, "wait"):
             row[_STATE] = ISSUED
         else:
             row[_STATE] = DONE
+        if kept is not None:
+            kept.end(at, _S_ISSUED if row[_STATE] is ISSUED else _S_DONE, row[_T1])
         return out
 
     wrapper._mnb_flightrec = True  # type: ignore[attr-defined]
@@ -352,6 +448,8 @@ def install(recorder: Recorder = RECORDER) -> list[str]:
         return []
     if not _TORCH:
         _TORCH.append(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+    if recorder.persisted is None:
+        persist(recorder=recorder)
     done = []
     for name in OPS:
         fn = getattr(dist, name, None)
@@ -475,8 +573,10 @@ class StrictCheck:
 def call_begin(call: int, meta: dict[str, Any], recorder: Recorder = RECORDER) -> bool:
     """Main thread, as a call starts: note its span; True if it checks its
     collectives (strict mode), which starts here too."""
-    recorder.calls.append([call, meta.get("name") or "mesh.run", time.perf_counter(), None,
-                           flight.IN_FLIGHT])
+    name, began = str(meta.get("name") or "mesh.run"), time.perf_counter()
+    recorder.calls.append([call, name, began, None, flight.IN_FLIGHT])
+    if recorder.persisted is not None:
+        recorder.persisted.call(call, name, began, meta.get("step"))
     if meta.get("check"):
         begin_check(call, recorder)
         return True
@@ -488,6 +588,8 @@ def call_end(ok: bool, recorder: Recorder = RECORDER) -> None:
     if recorder.calls:
         span = recorder.calls[-1]
         span[3], span[4] = time.perf_counter(), flight.DONE if ok else flight.FAILED
+    if recorder.persisted is not None:
+        recorder.persisted.call_over()
     if recorder.check is not None:
         end_check(ok, recorder)
 
@@ -505,6 +607,6 @@ def end_check(ok: bool, recorder: Recorder = RECORDER) -> None:
                   dict(recorder.members))
 
 
-__all__ = ["Recorder", "RECORDER", "install", "uninstall", "call_begin", "call_end",
+__all__ = ["Recorder", "RECORDER", "Persisted", "persist", "install", "uninstall", "call_begin", "call_end",
            "begin_check", "end_check",
            "OPS", "RING_SIZE"]
