@@ -23,7 +23,7 @@ from .conftest import wait_for
 # Differ between two incarnations of one rank by design.
 PER_INCARNATION = {"TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE",
                    "MONARCH_NB_INCARNATION", "MONARCH_NB_IDENTITY", "MONARCH_NB_LINK_FD",
-                   "MONARCH_NB_GENERATION",
+                   "MONARCH_NB_GENERATION", "MONARCH_NB_FLIGHT_FILE",
                    "MASTER_PORT"}  # the re-formed group's store: every rank's changes
 
 
