@@ -4,6 +4,8 @@
 #   make lab     JupyterLab on notebooks/ (with the mesh status bar and panel)
 #   make extension  rebuild the JupyterLab extension (extension/) after edits
 #   make test    run the test suite and the example notebooks (nbval)
+#   make docs    build the documentation site (docs/ -> docs/_build/html)
+#   make wheel-check  build the sdist and wheel and try the wheel in a fresh venv
 #   make notebooks  re-create and re-execute notebooks/ (scripts/notebook_sources.py)
 #   make lint    ruff + mypy + import-linter (the contracts in pyproject.toml) + no import cycle
 #   make bench   benchmarks (installs the `bench` extra first)
@@ -30,37 +32,52 @@ NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/nbval_s
 
 # Which torch to install into a venv that has none. A local CPU wheel (in
 # /opt/wheels, for this Python, a +cpu build first) wins when one is on disk;
-# otherwise pass TORCH_SPEC: pip arguments naming the build you want, e.g. a CPU
-# or CUDA wheel file, or `torch` with the --index-url of PyTorch's own CPU or
-# CUDA wheel index (plain `torch` from the default index pulls a multi-GB CUDA
-# build). No registry host is named here.
+# TORCH_SPEC (pip arguments: a CPU / CUDA / ROCm wheel file, or `torch` with the
+# --index-url of PyTorch's own wheel index for your build) overrides it; with
+# neither, `torch` comes from pip's configured index (one line says so). A torch
+# the venv can already import is never replaced. No registry host is named here.
 PYTAG := $(shell $(PYTHON) -c 'import sys; print("cp%d%d" % sys.version_info[:2])' 2>/dev/null)
-TORCH_WHEEL := $(firstword $(wildcard /opt/wheels/torch-*+cpu-$(PYTAG)-*.whl) \
+TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-*+cpu-$(PYTAG)-*.whl) \
                            $(wildcard /opt/wheels/torch-*-$(PYTAG)-*.whl))
 ifneq ($(TORCH_WHEEL),)
 TORCH_SPEC ?= $(TORCH_WHEEL)
 endif
+TORCH_STAMP := $(VENV)/.monarch-nb-torch.stamp
+DEMO_STAMP  := $(VENV)/.monarch-nb-demo.stamp
+DOCS_STAMP  := $(VENV)/.monarch-nb-docs.stamp
 
-.PHONY: help venv test demo notebooks bench lint clean distclean lab extension gpu-check
+.PHONY: help venv test demo notebooks bench lint clean distclean lab extension gpu-check docs wheel-check
 
 help:
 	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
 
 venv: $(STAMP)
 
-# Re-run only when pyproject.toml changes (or the venv is new).
-$(STAMP): pyproject.toml
+# The venv and its torch, shared by every target below.
+$(TORCH_STAMP):
 	@test -x $(PY) || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	$(PIP) install --quiet --upgrade pip
 	@if $(PY) -c 'import torch' 2>/dev/null; then \
 		echo "torch $$($(PY) -c 'import torch; print(torch.__version__)') already in $(VENV); keeping it"; \
-	else \
-		test -n "$(TORCH_SPEC)" || { echo "no torch in $(VENV) and no local wheel in /opt/wheels:" \
-			"pass TORCH_SPEC, pip arguments for the torch build you want (see the Makefile)"; exit 2; }; \
+	elif [ -n "$(TORCH_SPEC)" ]; then \
 		echo "installing torch: $(TORCH_SPEC)"; \
 		$(PIP) install $(TORCH_SPEC); \
+	else \
+		echo "no local torch wheel: installing torch from pip's configured index (pip install torch;" \
+			"on Linux that is a CUDA build). For another build pass TORCH_SPEC, e.g." \
+			"make venv TORCH_SPEC='torch --index-url <PyTorch's CPU/CUDA/ROCm wheel index>'"; \
+		$(PIP) install torch; \
 	fi
+	@touch $@
+
+# The dev venv: re-run only when pyproject.toml changes (or the venv is new).
+$(STAMP): pyproject.toml $(TORCH_STAMP)
 	$(PIP) install --quiet -e '.[dev]'
+	@touch $@
+
+# The demo needs only the package and a notebook runner (the `demo` extra).
+$(DEMO_STAMP): pyproject.toml $(TORCH_STAMP)
+	$(PIP) install --quiet -e '.[demo]'
 	@touch $@
 
 # Two pytest-xdist workers, a test file at a time each: the tests mostly wait
@@ -83,8 +100,23 @@ test: venv
 	fi; \
 	[ $$rc -eq 0 ] && exit $$rc2; exit $$rc
 
-demo: venv
+demo: $(DEMO_STAMP)
 	$(PY) scripts/run_notebook.py $(NOTEBOOK)
+
+# The documentation site (docs/, Sphinx): warnings are errors, as in CI;
+# `make docs` also checks every internal link and reference.
+$(DOCS_STAMP): pyproject.toml $(TORCH_STAMP)
+	$(PIP) install --quiet -e '.[docs]'
+	@touch $@
+
+docs: $(DOCS_STAMP)
+	$(PY) -m sphinx -b html -W --keep-going -n docs docs/_build/html
+	$(PY) scripts/check_doc_links.py
+
+# The package as users get it: sdist + wheel, twine check, the wheel in a fresh
+# venv with torch and no dev extras (scripts/check_wheel.sh says what it checks).
+wheel-check: venv
+	PYTHON=$(PYTHON) TORCH_SPEC="$(TORCH_SPEC)" BUILD_PY=$(PY) scripts/check_wheel.sh
 
 notebooks: venv
 	$(PY) scripts/build_notebooks.py
@@ -128,7 +160,7 @@ lint: venv
 	$(PY) scripts/check_cycles.py
 
 clean:
-	rm -rf build dist out *.egg-info .pytest_cache .mypy_cache .ruff_cache \
+	rm -rf build dist out docs/_build docs/api/generated docs/_generated *.egg-info .pytest_cache .mypy_cache .ruff_cache \
 		notebooks/.ipynb_checkpoints extension/lib extension/tsconfig.tsbuildinfo
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -print0 | xargs -0 rm -rf
 

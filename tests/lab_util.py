@@ -32,10 +32,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def screenshot_path(name: str) -> pathlib.Path:
     """Where a browser test saves its screenshot: over the README's image in
-    docs/ when ``MNB_SCREENSHOTS=1``, else in a temporary folder, so that a
+    docs/_static/ (the site's pictures) when ``MNB_SCREENSHOTS=1``, else in a temporary folder, so that a
     test run leaves the checkout as it found it."""
     if os.environ.get("MNB_SCREENSHOTS") == "1":
-        return ROOT / "docs" / name
+        return ROOT / "docs" / "_static" / name
     return pathlib.Path(tempfile.gettempdir()) / "mnb-screenshots" / name
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

@@ -1,7 +1,7 @@
 """The dashboard in a real browser: JupyterLab started on localhost, Debian's
 chromium driven headless by Playwright, a notebook that starts 4 ranks and
 runs a logging loop. Asserts 4 tiles and a chart with points on the page,
-and saves the screenshot the README shows (docs/dashboard.png).
+and saves the screenshot the README shows (docs/_static/dashboard.png, with MNB_SCREENSHOTS=1).
 
 Skipped only where chromium (or Playwright) is missing *and* this is not CI;
 in CI (``CI=true``) it runs, and fails if it cannot.
@@ -123,7 +123,7 @@ dist.all_reduce(x)
 def test_collectives_badge_and_straggler_mark_in_jupyterlab(tmp_path: pathlib.Path) -> None:
     """A desync while the cell blocks the kernel: the badge says which
     ranks wait in which collective and where the missing rank is; the
-    straggler's tile is marked. Saves docs/collectives-badge.png."""
+    straggler's tile is marked. Saves docs/_static/collectives-badge.png."""
     need_browser()
     from playwright.sync_api import sync_playwright
 

@@ -5,7 +5,7 @@ Playwright. A notebook starts 4 ranks; the status bar shows "mesh 4/4 ranks
 the respawn, all while a cell keeps the kernel busy; a reloaded page finds the mesh again; the side panel lists the ranks, its stacks button shows where
 they are, its restart button replaces a rank; ``%monarch stop`` leaves
 "mesh: none". Everything the page shows came over the comm, not from
-executing code. Saves the screenshot the README shows (docs/lab-extension.png).
+executing code. Saves the screenshot the README shows (docs/_static/lab-extension.png, with MNB_SCREENSHOTS=1).
 
 The extension is served from this checkout's build (monarch_nb/labextension,
 made by the package build: `make venv`, or `npm run build` in extension/)
