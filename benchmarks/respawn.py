@@ -6,7 +6,7 @@
 - detection, SIGKILL: from ``os.kill`` to the controller recording the death
   (pidfd watched by the I/O loop; target < 100 ms on the same host).
 - detection, SIGSTOP: from the freeze to the death being recorded (a local
-  rank's process state says it is stopped: controller/liveness.py).
+  rank's process state says it is stopped: procs/liveness.py).
 - kill-to-ready: from SIGKILL to the next collective on all ranks answered
   (rank replaced, group re-formed), beside a cold start of the whole mesh.
 - kill, then a call at once: ``kill -9`` of an idle rank from outside and an
@@ -19,7 +19,7 @@ Medians over --repeat trials; the machine is noisy, so read them as such.
 Each trial kills one rank three times, rotating over ranks 1..N-1: with
 ``--ranks 2`` every kill hits rank 1, whose respawns then wait out the
 crash-loop backoff (0.5 s, 1 s, 2 s... from its second death in ten
-minutes: controller/policy.py), so the later trials measure that backoff,
+minutes: controller/life/policy.py), so the later trials measure that backoff,
 not a respawn. Use 4 ranks (the default) for the figures in the README.
 """
 

@@ -5,11 +5,11 @@ For measuring the controller alone at hundreds or thousands of ranks
 interpreter with torch and a gloo group, so 1,024 of them cannot run here,
 and their own CPU would hide the controller's.
 
-:class:`SimLauncher` is a :class:`~monarch_nb.controller.launchers.Launcher`
+:class:`SimLauncher` is a :class:`~monarch_nb.procs.launchers.Launcher`
 (``Mesh.start(n=N, launcher=SimLauncher(hosts=K))``). It starts ``K`` *host*
 processes (this file run as a script) and deals the ranks out round-robin.
 Each rank's environment reaches its host as one JSON line on the host's
-stdin (:func:`~monarch_nb.controller.launchers.rank_spec`: keys by pipe,
+stdin (:func:`~monarch_nb.procs.launchers.rank_spec`: keys by pipe,
 never on a command line), as the ssh and slurm launchers send theirs.
 
 Each simulated rank speaks the real protocol on its own two DEALER sockets
@@ -60,14 +60,14 @@ import zmq  # noqa: E402
 
 from monarch_nb import config  # noqa: E402
 from monarch_nb.config import RankEnv  # noqa: E402
-from monarch_nb.controller.launchers import Placement, rank_spec  # noqa: E402
+from monarch_nb.procs.launchers import Placement, rank_spec  # noqa: E402
 from monarch_nb.wire import serialize  # noqa: E402
 from monarch_nb.wire.channels import dealer, recv_frames  # noqa: E402
 from monarch_nb.wire.link import DROPPED, Link  # noqa: E402
 from monarch_nb.wire.protocol import Codec, Kind  # noqa: E402
 from monarch_nb.wire.transport import send_frames  # noqa: E402
 
-HEARTBEAT_S = 0.5  # as engine/worker.py
+HEARTBEAT_S = 0.5  # as engine/loop.py
 SWEEP_S = 0.05  # how often a host looks for heartbeats due (and a silent controller)
 # what a real rank's HEARTBEAT carries (engine/health.py on a CPU rank), so
 # the controller decodes meta of the usual size

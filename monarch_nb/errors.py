@@ -96,7 +96,7 @@ class RankDied(MonarchError):
     incarnation: int = 0
     silent_for: float | None = None  # set when killed for missing heartbeats
     frozen: str = ""  # what the OS said of it then ("stopped by a signal")
-    cause_hint: str = ""  # why, when the controller could tell (controller/deathcause.py)
+    cause_hint: str = ""  # why, when the controller could tell (procs/deathcause.py)
     # a crash (SIGSEGV, SIGABRT...): the crashing thread's Python frames, then
     # its native ones, one line each (replaces the last output, the same dump)
     crash_stack: tuple[str, ...] = ()

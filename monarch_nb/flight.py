@@ -2,7 +2,7 @@
 
 Shared by both sides: the rank's recorder (engine/flightrec.py) encodes its
 records with :func:`encode` and, in strict mode, words a mismatch with
-:func:`mismatch_text`; the controller's analysis (controller/collectives.py)
+:func:`mismatch_text`; the controller's analysis (controller/analysis/collectives.py)
 decodes them and words what it finds the same way, so the text a user sees
 is one text whichever side found the problem.
 
@@ -25,7 +25,7 @@ own sequence number (per process group, from 1, counting every collective
 of the group, the wrappers' included).
 
 Non-goals: recording (engine/flightrec.py), cross-rank analysis
-(controller/collectives.py). Pure: no torch, no sockets.
+(controller/analysis/collectives.py). Pure: no torch, no sockets.
 """
 
 from __future__ import annotations

@@ -19,14 +19,14 @@ rank killed by signal N), 130 on Ctrl-C (which stops every rank).
 Options go before the script; after it, the launcher's own options
 (``--nodes=8 --gpus-per-node=8``, the announced form) up to a ``--`` are the
 launcher's, everything else belongs to the script. torchrun's flags are
-accepted too (torchrun.py). A rank's failure is retried by fact: a run that
+accepted too (launchopts.py). A rank's failure is retried by fact: a run that
 ended, however, after the group changed under it (a peer died) runs again;
 one that failed on its own does not.
 
 Only the public API of :class:`~monarch_nb.Mesh` is used (submit, output,
 wait_any, events, status, generation, logs).
 
-Non-goals: the command line (torchrun.py), spawning processes (launchers.py /
+Non-goals: the command line (launchopts.py), spawning processes (launchers.py /
 supervisor.py), the rank side (script.py), restart decisions (policy.py).
 """
 
@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from .errors import MembershipChanged, MonarchError, RankDied, RemoteError, UsageError
-from .torchrun import Plan, build_parser, mesh_options, parse, plan, shown
+from .launchopts import Plan, build_parser, mesh_options, parse, plan, shown
 
 EXIT_INTERRUPTED = 130
 FAIL_GRACE_S = 5.0  # after a final failure, how long the other ranks may finish

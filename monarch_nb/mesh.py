@@ -11,7 +11,7 @@ notebook's interrupt button) interrupts the ranks running it and waits a
 moment for them to come back, so they stay usable; ``timeout=`` interrupts the
 ranks and raises :class:`CallTimeout` naming where each one was.
 
-Non-goals: sockets and rank bookkeeping (controller.py), parsing (magics.py).
+Non-goals: sockets and rank bookkeeping (controller/core.py), parsing (magics.py).
 """
 
 from __future__ import annotations
@@ -29,19 +29,19 @@ from typing import Any
 
 from . import backends, notices
 from .config import MeshConfig, check_hang_timeout
-from .controller import launchers, limits, timeline
-from .controller.collectives import (
+from .controller.analysis import timeline
+from .controller.analysis.collectives import (
     STRAGGLER_FACTOR,
     WINDOW_STEPS,
     CollectiveReport,
     RankTail,
     StragglerReport,
 )
-from .controller.collectives import stragglers as find_stragglers
+from .controller.analysis.collectives import stragglers as find_stragglers
+from .controller.calls.output import CallOutput
 from .controller.core import Controller, Event, RankInfo, RankState
 from .controller.inspector import STACKS_TIMEOUT_S, collective_report
 from .controller.metricstore import MetricsStore, health_fields
-from .controller.output import CallOutput
 from .engine.debug import post_mortem as _post_mortem
 from .errors import (
     CallTimeout,
@@ -54,6 +54,7 @@ from .errors import (
 )
 from .flight import RING_SIZE
 from .futures import MeshFuture
+from .procs import launchers, limits
 from .results import RankResults
 from .selection import format_ranks, parse_ranks
 from .stacks import Stacks
@@ -114,7 +115,7 @@ class _RankSet:
                  kwargs: dict[str, Any]) -> list[Any]:
         """The call's frames. With gpu_ipc, CUDA tensors are shared by IPC
         handle for these ranks' GPUs (wire/gpuipc.py); the shares become the
-        call's when it is sent (controller/dataplane.py)."""
+        call's when it is sent (controller/calls/dataplane.py)."""
         devices = self._mesh._ctl.gpu_ipc_devices
         if devices is None:
             return _call_payload(fn, args, kwargs)
@@ -292,7 +293,7 @@ class Mesh(_RankSet):
               **options: Any) -> Mesh:
         """Start ``n`` ranks and wait until they joined their torch.distributed
         group. ``n`` defaults to the visible GPUs, else min(4, CPU cores).
-        ``launcher``: a name, or a :class:`~monarch_nb.controller.launchers.Launcher`
+        ``launcher``: a name, or a :class:`~monarch_nb.procs.launchers.Launcher`
         object that starts the ranks its own way (benchmarks/simranks.py
         hosts many simulated ranks in a few processes); with an object,
         ``n`` is required and the controller binds to loopback unless

@@ -4,7 +4,7 @@ and where each rank stopped when the user interrupted it.
 A rank that died and came back between cells has a new, empty namespace
 (its setup cells replayed); without a word the user meets that later as a
 NameError on one rank. :func:`respawn_notices` reads ``mesh.events`` (the
-dicts of :class:`~monarch_nb.controller.events.Event`) after a cursor and
+dicts of :class:`~monarch_nb.controller.life.events.Event`) after a cursor and
 says it in one line per story, ranks that share it grouped:
 ``rank 1 was respawned at 12:03:04 (killed by SIGKILL); its namespace is
 new: setup cells replayed``.
@@ -22,7 +22,7 @@ from typing import Any
 
 from .rankspans import format_ranks
 
-# event kinds by value (controller/events.py): read as strings, so a kind
+# event kinds by value (controller/life/events.py): read as strings, so a kind
 # renamed there only silences the line, never breaks a call
 _GONE = ("died", "replaced")
 _BACK = "ready"
@@ -118,7 +118,7 @@ _WHERE = re.compile(r"^(?P<file>.+?) line (?P<line>\d+) in (?P<fn>[^:]+?)(?:: (?
 
 def user_location(where: str) -> str:
     """``<mnb-cell-3>:5 in f (time.sleep(9))`` from the worker's
-    description (engine/worker.py describe_frame: the innermost frame, then
+    description (engine/loop.py describe_frame: the innermost frame, then
     the innermost cell frame after " <- "): the user's frame, not ours."""
     parts = where.split(" <- ")
     part = parts[-1]

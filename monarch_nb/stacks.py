@@ -101,7 +101,7 @@ def _key(frames: list[list[Any]]) -> tuple[Any, ...]:
 class Stacks(dict[int, RankStacks]):
     """``mesh.stacks()``: rank -> :class:`RankStacks`, printed grouped.
     ``collectives``: what the ranks' flight recorders say is wrong, one line
-    per finding (controller/collectives.py); printed first."""
+    per finding (controller/analysis/collectives.py); printed first."""
 
     collectives: tuple[str, ...] | list[str] = ()  # (class default; set per instance)
 

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from monarch_nb.controller.assembler import Assembler
-from monarch_nb.controller.calltable import CallTable, PendingCall
-from monarch_nb.controller.dataplane import DataPlane
+from monarch_nb.controller.calls.assembler import Assembler
+from monarch_nb.controller.calls.calltable import CallTable, PendingCall
+from monarch_nb.controller.calls.dataplane import DataPlane
+from monarch_nb.controller.calls.output import CallOutput
+from monarch_nb.controller.life.ranktable import RankTable
 from monarch_nb.controller.metricstore import MetricsStore
-from monarch_nb.controller.output import CallOutput
-from monarch_nb.controller.ranktable import RankTable
 from monarch_nb.errors import RankDied, RankErrors, RemoteError
 from monarch_nb.futures import MeshFuture
 from monarch_nb.results import RankResults

@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 
 from monarch_nb.config import MeshConfig
-from monarch_nb.controller.calltable import CallTable, PendingCall
-from monarch_nb.controller.events import EventKind
-from monarch_nb.controller.output import CallOutput
-from monarch_nb.controller.policy import RestartPolicy
-from monarch_nb.controller.rankstates import TRANSITIONS, IllegalTransition, RankState
-from monarch_nb.controller.ranktable import RankTable
-from monarch_nb.controller.recovery import REFORM_GRACE_S, Recovery
+from monarch_nb.controller.calls.calltable import CallTable, PendingCall
+from monarch_nb.controller.calls.output import CallOutput
+from monarch_nb.controller.life.events import EventKind
+from monarch_nb.controller.life.policy import RestartPolicy
+from monarch_nb.controller.life.rankstates import TRANSITIONS, IllegalTransition, RankState
+from monarch_nb.controller.life.ranktable import RankTable
+from monarch_nb.controller.life.recovery import REFORM_GRACE_S, Recovery
 from monarch_nb.errors import MembershipChanged, MeshNotRunning, RankDied, RankErrors, RemoteError
 from monarch_nb.futures import MeshFuture
 from monarch_nb.results import RankResults
@@ -467,7 +467,7 @@ def test_no_module_but_the_call_table_changes_a_pending_call() -> None:
             if (path.name, hit.split(": ", 1)[1]) not in _NOT_CALLS:
                 found.append(f"{path.relative_to(root)}:{hit}")
     assert not found, ("PendingCall fields change only through its methods "
-                       f"(controller/calltable.py): {found}")
+                       f"(controller/calls/calltable.py): {found}")
 
 
 def test_the_pending_call_check_sees_every_kind_of_write() -> None:

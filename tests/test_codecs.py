@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from monarch_nb.controller.output import decode_items
+from monarch_nb.controller.calls.output import decode_items
 from monarch_nb.wire import metas, payloads
 from monarch_nb.wire.protocol import META, Codec, Kind, new_key
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from monarch_nb import Mesh, RankErrors
-from monarch_nb.controller.output import CallOutput
+from monarch_nb.controller.calls.output import CallOutput
 from monarch_nb.errors import RankDied
 from monarch_nb.wire.protocol import Kind
 

@@ -1,4 +1,4 @@
-"""The shared-memory data plane (wire/shm.py, controller/dataplane.py) with
+"""The shared-memory data plane (wire/shm.py, controller/calls/dataplane.py) with
 real rank processes and sockets.
 
 What is checked: pushes, pulls, big call arguments and big results of NumPy
@@ -35,7 +35,7 @@ from .conftest import wait_for
 
 BIG = 4 << 20  # bytes: well over the 1 MiB threshold
 _RANK_STATS = "from monarch_nb.wire import shm\ndict(shm.stats)"
-_RANK_DROPPED = ("import gc\nfrom monarch_nb.engine.worker import Worker\n"
+_RANK_DROPPED = ("import gc\nfrom monarch_nb.engine.loop import Worker\n"
                  "dict(next(o for o in gc.get_objects() if isinstance(o, Worker)).dropped)")
 
 

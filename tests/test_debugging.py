@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from monarch_nb import CallTimeout, Mesh, UsageError
-from monarch_nb.controller.output import CallOutput
+from monarch_nb.controller.calls.output import CallOutput
 
 from .conftest import wait_for
 

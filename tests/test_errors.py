@@ -355,7 +355,7 @@ def test_quoted_backend_messages_are_cut_at_a_sentence_never_mid_word():
 
 
 def test_membership_changed_quotes_gloo_without_cutting_a_word():
-    from monarch_nb.controller.calltable import classify_membership
+    from monarch_nb.controller.calls.calltable import classify_membership
 
     errs: dict[int, BaseException] = {0: RemoteError(0, "RuntimeError", GLOO),
                                       1: RankDied(1, signal_name="SIGKILL")}

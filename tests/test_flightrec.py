@@ -16,7 +16,7 @@ import torch
 
 from monarch_nb import flight
 from monarch_nb.controller import collectives, deathcause, timeline
-from monarch_nb.controller.collectives import RankTail, analyze, stragglers
+from monarch_nb.controller.analysis.collectives import RankTail, analyze, stragglers
 from monarch_nb.engine import context, flightrec
 from monarch_nb.flight import OpRecord, mismatch_text
 from monarch_nb.stacks import RankStacks, Stacks, hang_report

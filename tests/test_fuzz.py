@@ -599,7 +599,7 @@ def dealers(mesh1: Mesh) -> Iterator[list[zmq.Socket]]:
     ctx.term()
 
 
-_RANK_DROPPED = ("import gc\nfrom monarch_nb.engine.worker import Worker\n"
+_RANK_DROPPED = ("import gc\nfrom monarch_nb.engine.loop import Worker\n"
                  "dict(next(o for o in gc.get_objects() if isinstance(o, Worker)).dropped)")
 
 

@@ -25,10 +25,10 @@ import torch
 
 from monarch_nb import Mesh, backends
 from monarch_nb.config import ENV_CONTROLLER, ENV_GPU_IPC, MeshConfig, RankEnv
-from monarch_nb.controller.dataplane import DataPlane
-from monarch_nb.controller.launchers import SshLauncher
-from monarch_nb.controller.supervisor import Supervisor
+from monarch_nb.controller.calls.dataplane import DataPlane
 from monarch_nb.errors import UsageError
+from monarch_nb.procs.launchers import SshLauncher
+from monarch_nb.procs.supervisor import Supervisor
 from monarch_nb.wire import gpuipc, serialize
 
 MiB = 1 << 20

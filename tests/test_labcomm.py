@@ -1,4 +1,4 @@
-"""The JupyterLab extension's feed (monarch_nb/labcomm.py).
+"""The JupyterLab extension's feed (monarch_nb/ui/labcomm.py).
 
 Pure parts (the summary, when the hub sends) are tested directly; the comm
 itself against a real IPython kernel through jupyter_client, speaking the

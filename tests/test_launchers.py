@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 
 from monarch_nb import Mesh, backends, config
-from monarch_nb.controller.launchers import (
+from monarch_nb.errors import UsageError
+from monarch_nb.procs.launchers import (
     SlurmLauncher,
     SshLauncher,
     from_config,
     rank_spec,
     world_and_per_node,
 )
-from monarch_nb.controller.supervisor import Supervisor
-from monarch_nb.errors import UsageError
+from monarch_nb.procs.supervisor import Supervisor
 
 from .conftest import wait_for
 

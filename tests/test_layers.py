@@ -18,7 +18,7 @@ from .conftest import wait_for
 ROOT = Path(__file__).resolve().parent.parent
 # What a rank must never load: the controller, the facade, the front ends, the launcher.
 CONTROLLER_SIDE = ("monarch_nb.controller", "monarch_nb.mesh", "monarch_nb.ui",
-                   "monarch_nb.launch", "monarch_nb.cli", "monarch_nb.torchrun")
+                   "monarch_nb.launch", "monarch_nb.cli", "monarch_nb.launchopts")
 
 
 # The probe a rank runs. Made in a namespace of its own so that cloudpickle sends
@@ -47,7 +47,7 @@ def test_live_ranks_load_no_controller_module(mesh4: Mesh) -> None:
     per_rank = mesh4.run(_loaded)
     assert sorted(per_rank) == [0, 1, 2, 3]
     for rank, modules in per_rank.items():
-        assert "monarch_nb.engine.worker" in modules, modules  # the probe does see the rank side
+        assert "monarch_nb.engine.loop" in modules, modules  # the probe does see the rank side
         assert _controller_side(modules) == [], (rank, _controller_side(modules))
 
 
@@ -57,14 +57,14 @@ def test_a_respawned_rank_loads_no_controller_module(mesh4: Mesh) -> None:
     wait_for(lambda: mesh4.status()[1]["incarnation"] > before
              and mesh4.status()[1]["state"] in ("ready", "busy"), timeout=60)
     modules = mesh4[1].run(_loaded)[1]
-    assert "monarch_nb.engine.worker" in modules
+    assert "monarch_nb.engine.loop" in modules
     assert _controller_side(modules) == []
 
 
 def test_rank_entry_point_imports_only_the_rank_side() -> None:
     modules = _python("import sys, monarch_nb.worker\n"
                       "print(*sorted(m for m in sys.modules if m.startswith('monarch_nb')))")
-    assert "monarch_nb.engine.worker" in modules
+    assert "monarch_nb.engine.loop" in modules
     assert _controller_side(modules) == []
     # and the spare's and --join's entry points
     for entry in ("monarch_nb.engine.spare", "monarch_nb.engine.join", "monarch_nb.engine.script"):

@@ -185,7 +185,7 @@ def test_kernel_ended_while_busy_leaves_no_rank_and_no_key(
 
 
 # -- isolation ------------------------------------------------------------------------------
-_RANK_DROPPED = ("import gc\nfrom monarch_nb.engine.worker import Worker\n"
+_RANK_DROPPED = ("import gc\nfrom monarch_nb.engine.loop import Worker\n"
                  "dict(next(o for o in gc.get_objects() if isinstance(o, Worker)).dropped)")
 
 

@@ -1,4 +1,4 @@
-"""The machine's limits (controller/limits.py): an open-file limit too low is
+"""The machine's limits (procs/limits.py): an open-file limit too low is
 raised where allowed and refused with what to change where not; a nearly
 full log directory earns a notice and the mesh still works, kills and
 respawns included. Each case runs a mesh in its own process, under the

@@ -1,4 +1,4 @@
-"""Liveness without the GIL (controller/liveness.py): a stopped rank is found
+"""Liveness without the GIL (procs/liveness.py): a stopped rank is found
 by its process state, before its heartbeat timeout; a rank that holds the
 GIL (silent, but running) is reported, never killed. The policy without
 processes first, then on real ranks."""
@@ -14,7 +14,7 @@ import time
 import pytest
 
 from monarch_nb import Mesh, RankDied, RankErrors
-from monarch_nb.controller.liveness import Liveness, Verdict, os_state
+from monarch_nb.procs.liveness import Liveness, Verdict, os_state
 
 from .conftest import wait_for
 

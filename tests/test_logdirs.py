@@ -1,5 +1,5 @@
 """Log directories left by a killed controller are swept by the next mesh
-(controller/logdirs.py); live owners', other versions' and other users'
+(procs/logdirs.py); live owners', other versions' and other users'
 directories are left alone."""
 
 from __future__ import annotations

@@ -251,7 +251,7 @@ def test_run_async_future_result_await_and_cancel(healthy: Mesh) -> None:
 
 def test_no_block_output_lands_in_the_issuing_context(healthy: Mesh) -> None:
     seen: list[tuple[str, str]] = []
-    from monarch_nb.controller.output import CallOutput
+    from monarch_nb.controller.calls.output import CallOutput
     from monarch_nb.wire.protocol import Kind
 
     out = CallOutput(lambda stream, text: seen.append((stream, text)))

@@ -1,4 +1,4 @@
-"""Unit tests for monarch_nb.controller.output: labelling and folding of rank output.
+"""Unit tests for monarch_nb.controller.calls.output: labelling and folding of rank output.
 
 Time is passed explicitly with ``now=``; nothing sleeps.
 """
@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from monarch_nb.controller.output import FOLD_S, PARTIAL_S, CallOutput, describe_where, render
+from monarch_nb.controller.calls.output import FOLD_S, PARTIAL_S, CallOutput, describe_where, render
 from monarch_nb.selection import parse_ranks
 
 LABEL = re.compile(r"^\[([0-9,\-]+)\] (.*)$")

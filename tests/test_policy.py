@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from monarch_nb.controller.policy import (
+from monarch_nb.controller.life.policy import (
     Died,
     GiveUp,
     HostLost,
@@ -22,8 +22,8 @@ from monarch_nb.controller.policy import (
     RestartRequested,
     Timer,
 )
-from monarch_nb.controller.rankstates import IllegalTransition, RankState
-from monarch_nb.controller.ranktable import RankTable
+from monarch_nb.controller.life.rankstates import IllegalTransition, RankState
+from monarch_nb.controller.life.ranktable import RankTable
 
 
 def test_first_death_respawns_at_once_and_reforms_the_group() -> None:

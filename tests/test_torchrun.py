@@ -22,7 +22,7 @@ import pytest
 
 from monarch_nb import Mesh
 from monarch_nb.errors import RankErrors, RemoteError, UsageError
-from monarch_nb.torchrun import build_parser, parse, plan, shown
+from monarch_nb.launchopts import build_parser, parse, plan, shown
 from monarch_nb.ui.labcomm import lab_front_end
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -63,7 +63,7 @@ class LaunchHelp(SphinxDirective):
     has_content = False
 
     def run(self) -> list[nodes.Node]:
-        mod = importlib.import_module("monarch_nb.torchrun")
+        mod = importlib.import_module("monarch_nb.launchopts")
         text = mod.build_parser().format_help().rstrip()
         return [nodes.literal_block(text, text)]
 

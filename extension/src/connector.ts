@@ -1,6 +1,6 @@
 /**
  * One notebook's link to its kernel's mesh feed (the comm target
- * "monarch_nb.mesh", kernel side in monarch_nb/labcomm.py).
+ * "monarch_nb.mesh", kernel side in monarch_nb/ui/labcomm.py).
  *
  * Both sides can open the comm: the kernel opens one to our target when
  * `%load_ext monarch_nb` runs (reaching an open page at once, even while the

@@ -1,6 +1,6 @@
 /**
  * What the extension shows, as pure functions of the kernel's messages
- * (monarch_nb/labcomm.py): the status-bar text and colour, the panel's rows,
+ * (monarch_nb/ui/labcomm.py): the status-bar text and colour, the panel's rows,
  * and a small model that applies messages. No DOM, no JupyterLab: unit-tested
  * with jest (test/model.test.ts).
  */

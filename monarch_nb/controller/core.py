@@ -12,7 +12,7 @@ The parts, each owning its state (DESIGN.md, architecture rule 5)::
     CallTable   calltable.py   calls in flight: the one place a call's fate changes
     Assembler   assembler.py   a rank's RESULT, OUTPUT chunks and METRICS batches, its
                                pieces, shared memory and GPU shares: the call's answer
-    Caller      calls.py       sends calls, waits for them, interrupts them
+    Caller      caller.py       sends calls, waits for them, interrupts them
     Recovery    recovery.py    deaths, respawns, re-formations (the policy's hands)
     Inspector   inspector.py   stacks, hang watchdog, debugger relay
     Supervisor  supervisor.py  rank processes, forked on the spawner thread
@@ -42,26 +42,26 @@ from ..backends import BackendInfo
 from ..config import LOOPBACK, MeshConfig
 from ..errors import MonarchError
 from ..futures import MeshFuture
+from ..procs import liveness, logdirs
+from ..procs.launchers import Launcher, LocalLauncher
+from ..procs.supervisor import Supervisor
 from ..wire import gpuipc
 from ..wire.endpoints import CurveKeys
 from ..wire.metas import meta_of
 from ..wire.protocol import Codec, Kind, Message, new_key
 from ..wire.transport import IOLoop
-from . import liveness, logdirs
-from .assembler import Assembler
-from .calls import Caller
-from .calltable import CallTable, PendingCall
-from .dataplane import DataPlane
-from .events import Event, EventKind
+from .calls.assembler import Assembler
+from .calls.caller import Caller
+from .calls.calltable import CallTable, PendingCall
+from .calls.dataplane import DataPlane
+from .calls.output import CallOutput
 from .inspector import Inspector
-from .launchers import Launcher, LocalLauncher
+from .life.events import Event, EventKind
+from .life.policy import RestartPolicy
+from .life.rankstates import GONE, LIVE, ON_ITS_WAY, WAIT_FOR, RankState
+from .life.ranktable import RankInfo, RankTable, describe_exit, free_port
+from .life.recovery import Recovery
 from .metricstore import MetricsStore
-from .output import CallOutput
-from .policy import RestartPolicy
-from .rankstates import GONE, LIVE, ON_ITS_WAY, WAIT_FOR, RankState
-from .ranktable import RankInfo, RankTable, describe_exit, free_port
-from .recovery import Recovery
-from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 

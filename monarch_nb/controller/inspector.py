@@ -40,11 +40,11 @@ from ..wire import payloads
 from ..wire.metas import meta_of
 from ..wire.protocol import Codec, Kind, Message
 from ..wire.transport import IOLoop
-from . import collectives
-from .calltable import CallTable
-from .output import CallOutput
-from .rankstates import LIVE
-from .ranktable import RankInfo, RankTable
+from .analysis import collectives
+from .calls.calltable import CallTable
+from .calls.output import CallOutput
+from .life.rankstates import LIVE
+from .life.ranktable import RankInfo, RankTable
 
 STACKS_TIMEOUT_S = 2.0
 # Flight-recorder records each rank adds to its stacks (the summary printed

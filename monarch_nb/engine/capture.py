@@ -7,7 +7,7 @@ the main thread takes the rest and ships it inside the RESULT, together with
 how many chunks went out before, so the controller can print everything in
 order before it resolves the call.
 
-Non-goals: sockets (worker.py owns them), formatting (the controller labels
+Non-goals: sockets (loop.py owns them), formatting (the controller labels
 and folds lines).
 """
 

@@ -4,7 +4,7 @@ Filled once by the worker at start (or lazily from the torch.distributed
 environment in a launched script). Importing this module is cheap and never
 imports torch.
 
-Non-goals: sockets, execution (worker.py).
+Non-goals: sockets, execution (loop.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Runs inside a rank process. Two jobs:
   thread carries both messages; the main thread only waits on a queue, so an
   interrupt still reaches it.
 
-Non-goals: sockets (worker.py sends and receives), grouping and rendering
+Non-goals: sockets (loop.py sends and receives), grouping and rendering
 stacks (stacks.py, in the controller), deciding who answers (controller).
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 # Files whose frames are the rank's machinery, not the user's code.
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MACHINERY = tuple(os.path.join(_PACKAGE, f) for f in (
-    "worker.py", "engine/worker.py", "wire/serialize.py", "engine/debug.py", "wire/transport.py",
+    "worker.py", "engine/loop.py", "wire/serialize.py", "engine/debug.py", "wire/transport.py",
     "wire/link.py", "wire/channels.py",  # a rank waits for its next call there
     "engine/flightrec.py",  # the recorder's wrapper around each collective
     "engine/membership.py"))  # joins and leaves (mnb.elastic waits there)

@@ -37,7 +37,7 @@ before the call still compares cleanly. A rank that ends the call publishes
 that, so peers waiting for it learn it finished without the collective. It
 uses the store, not a collective: it cannot itself get out of step.
 
-Non-goals: sockets (worker.py), analysis across ranks (controller/collectives.py),
+Non-goals: sockets (loop.py), analysis across ranks (controller/analysis/collectives.py),
 wording (flight.py).
 """
 

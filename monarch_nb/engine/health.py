@@ -7,7 +7,7 @@
   memory: ``mem_limit`` and ``mem_used`` (bytes, the cgroup's own count:
   a process moved into a cgroup brings no charge along, so its RSS can
   exceed it), so that a SIGKILL from the kernel's OOM killer can be named
-  with how close the rank was (controller/deathcause.py). Read each
+  with how close the rank was (procs/deathcause.py). Read each
   heartbeat (a process can be moved into a cgroup at any time): three
   small reads, the files' paths cached per cgroup;
 * once torch has initialised CUDA (or HIP) in this process: ``mem``,
@@ -22,7 +22,7 @@ A key that is absent means "n/a" (no GPU, library not installed, query not
 supported): probing never raises, and a probe that failed once is not tried
 again (a broken driver must not cost every heartbeat).
 
-Non-goals: sending (worker.py), displaying (dashboard.py, magics.py).
+Non-goals: sending (loop.py), displaying (dashboard.py, magics.py).
 """
 
 from __future__ import annotations

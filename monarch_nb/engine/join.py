@@ -12,7 +12,7 @@ With ``-`` the rank keeps reading stdin after the spec: end of file means
 the ssh / srun process on the controller's side is gone, and the rank exits
 at once instead of waiting for the controller timeout.
 
-Non-goals: choosing where ranks run (launchers.py), the rank itself (worker.py).
+Non-goals: choosing where ranks run (launchers.py), the rank itself (loop.py).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def join_main(argv: Sequence[str] | None = None, prog: str = "monarch-nb worker"
     os.environ.update(env)
     if ns.key_file == "-":
         _exit_on_eof(sys.stdin)
-    from .worker import main
+    from .loop import main
 
     main()
     return 0

@@ -14,8 +14,8 @@ for it (backends.JoinAborted). A call that failed because a peer left
 leaves the group at once (:meth:`release_peers`), so the peers still
 waiting on this rank fail out too, each in turn.
 
-Non-goals: running calls (worker.py), deciding re-formations
-(controller/recovery.py), the store and the group (backends.py).
+Non-goals: running calls (loop.py), deciding re-formations
+(controller/life/recovery.py), the store and the group (backends.py).
 """
 
 from __future__ import annotations

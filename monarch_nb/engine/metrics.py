@@ -22,7 +22,7 @@ Outside a rank (a launched script whose launcher did not start the control
 thread, or plain Python), ``mnb.log`` never fails: points are kept in the
 bounded buffer (the newest ``MAX_BUFFERED``) until something drains it.
 
-Non-goals: sockets (worker.py), the frame format (wire/metricframes.py), the
+Non-goals: sockets (loop.py), the frame format (wire/metricframes.py), the
 controller's series (controller/metricstore.py).
 """
 

@@ -27,7 +27,7 @@ dies gets the parent-death signal, and end of file on its pipe (the
 supervisor closing it, or dying) makes it exit.
 
 This module is the spare's side; starting, assigning and discarding one is
-controller/spares.py.
+procs/spares.py.
 
 Non-goals: when to keep a spare (controller), spawning ranks (supervisor).
 """

@@ -32,7 +32,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ..controller.collectives import CollectiveReport, Finding, StragglerReport
+from ..controller.analysis.collectives import CollectiveReport, Finding, StragglerReport
 from ..controller.metricstore import MetricsStore
 
 MAX_HZ = 10.0

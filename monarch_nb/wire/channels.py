@@ -1,6 +1,6 @@
 """A rank's channels to its controller (the rank side of the wire).
 
-Two per rank process (engine/worker.py): ``ctl``, a DEALER used only by the
+Two per rank process (engine/loop.py): ``ctl``, a DEALER used only by the
 control thread (heartbeats, interrupts, output, stacks), and ``main``, used
 only by the main thread (calls, cells, their results): a DEALER too for a
 remote or joined rank (:class:`SocketChannel`), the rank's end of its link

@@ -29,7 +29,7 @@ and the *sender* owns the count: it holds the clone and its one count in
 :data:`_shares` until every receiver is done, then :func:`release` drops
 the count and the clone, and the allocator gets the block back at once.
 "Done" is the end of the call for the controller's shares
-(controller/dataplane.py) and the controller's ``RELEASE`` for a rank's
+(controller/calls/dataplane.py) and the controller's ``RELEASE`` for a rank's
 result, sent once the controller has copied it (controller/core.py). A
 receiver that dies holding a mapping loses it with its process.
 

@@ -3,11 +3,11 @@ one encode/decode pair per layout, imported by both sides, so the format is
 written down once (as wire/metricframes.py does for METRICS).
 
 * OUTPUT items: ``[[stream, text], ...]`` (JSON), an OUTPUT message's payload
-  and a RESULT's payload frame 0 when its meta has ``o`` (engine/worker.py,
-  engine/capture.py -> controller/output.py).
+  and a RESULT's payload frame 0 when its meta has ``o`` (engine/loop.py,
+  engine/capture.py -> controller/calls/output.py).
 * The flight recorder's tail: a JSON object (engine/flightrec.py
   ``Recorder.tail``), a STACKS_REPLY's payload frame 0 when the STACKS asked
-  for ``flight`` (-> controller/inspector.py, controller/collectives.py).
+  for ``flight`` (-> controller/inspector.py, controller/analysis/collectives.py).
 
 (RESULT's shared-memory and chunk descriptors are wire/shm.py's and
 wire/chunks.py's own pairs; METRICS is wire/metricframes.py.)
@@ -77,7 +77,7 @@ def decode_flight(frame: Any) -> dict[str, Any]:
     """A flight-recorder tail; PayloadError unless it is a JSON object at
     most MAX_FLIGHT_BYTES long whose ``ops``, ``calls`` and ``torch_ops`` are
     lists and ``groups`` an object, where present (their rows are read by
-    controller/collectives.py through flight.decode, which skips bad ones)."""
+    controller/analysis/collectives.py through flight.decode, which skips bad ones)."""
     tail = _json(frame, MAX_FLIGHT_BYTES, "flight")
     if type(tail) is not dict:
         raise PayloadError("flight: not an object")

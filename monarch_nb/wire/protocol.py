@@ -84,7 +84,7 @@ class Kind(str, enum.Enum):
     RESULT = "result"  # call c finished (meta: ok, error, n_out, n_m, o, shm,
     # parts; payload: output?, value)
     OUTPUT = "output"  # stdout/stderr text of call c (meta: n, the chunk no.;
-    # payload: JSON, wire/outputitems.py)
+    # payload: JSON, wire/payloads.py)
     HEARTBEAT = "heartbeat"  # control thread alive (meta: busy: the call, h: health figures)
     INTERRUPTED = "interrupted"  # answer to INTERRUPT (meta: where the main thread was)
     STACKS_REPLY = "stacks_reply"  # answer to STACKS (meta: threads, busy)

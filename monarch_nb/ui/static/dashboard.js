@@ -1,6 +1,6 @@
 // monarch_nb live dashboard (anywidget ESM; no build step).
 //
-// The kernel sends custom messages (see monarch_nb/dashfeed.py):
+// The kernel sends custom messages (see monarch_nb/ui/dashfeed.py):
 //   {t: "snapshot", world, series: [[rank, name, steps, values]], tiles, events, names, flight}
 //   {t: "delta", series?, cuts?, tiles?, events?, names?, state?, flight?}
 // flight: {findings: [text], slow: {rank: ratio}}: the collectives badge

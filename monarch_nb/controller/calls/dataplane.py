@@ -16,7 +16,7 @@ payload was pickled are the call's, and are released when it finishes.
 
 Counts what it did, per mesh (:meth:`stats`, ``mesh.dataplane``).
 
-Non-goals: the mechanism (wire/shm.py), sending (calls.py), which process a
+Non-goals: the mechanism (wire/shm.py), sending (caller.py), which process a
 descriptor may name (the assembler, assembler.py, asks for the
 rank's pid).
 """
@@ -27,7 +27,7 @@ import collections
 from collections.abc import Sequence
 from typing import Any
 
-from ..wire import gpuipc, shm
+from ...wire import gpuipc, shm
 
 
 class DataPlane:

@@ -143,7 +143,7 @@ class Worker:
         sys.breakpointhook = debug.breakpointhook
         sys.modules["__main__"] = self.user_module
         # a crash (SIGSEGV, SIGABRT...) dumps every thread's Python stack into
-        # the rank's log, where the controller quotes it (controller/deathcause.py)
+        # the rank's log, where the controller quotes it (procs/deathcause.py)
         faulthandler.enable(2, all_threads=True)  # fd 2: the rank's log
         native_crash_stacks()  # and every thread's native stack before it (backends.py)
         self._sigint = self._on_sigint  # one bound method, compared after each call

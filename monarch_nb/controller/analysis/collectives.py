@@ -49,8 +49,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..flight import IN_FLIGHT, OpRecord, decode, group_label, label, mismatch_text
-from ..stacks import RankStacks
+from ...flight import IN_FLIGHT, OpRecord, decode, group_label, label, mismatch_text
+from ...stacks import RankStacks
 
 
 @dataclass

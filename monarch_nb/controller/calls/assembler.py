@@ -33,7 +33,7 @@ held results are the call's, changed through PendingCall's methods).
 Tested without processes in tests/test_assembler.py.
 
 Non-goals: a call's fate (calltable.py), the mechanisms (wire/chunks.py,
-wire/shm.py, wire/gpuipc.py, dataplane.py), sending calls (calls.py),
+wire/shm.py, wire/gpuipc.py, dataplane.py), sending calls (caller.py),
 routing messages by kind (core.py).
 """
 
@@ -44,16 +44,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import RemoteError
-from ..wire import chunks, gpuipc, serialize, shm
-from ..wire.metas import meta_of
-from ..wire.metricframes import decode as decode_metrics
-from ..wire.protocol import Codec, Kind, Message
+from ...errors import RemoteError
+from ...wire import chunks, gpuipc, serialize, shm
+from ...wire.metas import meta_of
+from ...wire.metricframes import decode as decode_metrics
+from ...wire.protocol import Codec, Kind, Message
+from ..life.ranktable import RankInfo
+from ..metricstore import MetricsStore
 from .calltable import CallTable, PendingCall
 from .dataplane import DataPlane
-from .metricstore import MetricsStore
 from .output import CallOutput, decode_items
-from .ranktable import RankInfo
 
 log = logging.getLogger(__name__)
 

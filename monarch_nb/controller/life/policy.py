@@ -1,7 +1,7 @@
-"""Restart policy: a pure state machine, events in, actions out.
+"""Restart policy: a pure state machine, stimuli in (what happened to a rank), actions out.
 
 No processes, sockets, clocks or randomness of its own: time arrives inside
-events and jitter comes from an injected ``random.Random``, so every decision
+stimuli and jitter comes from an injected ``random.Random``, so every decision
 is reproducible in a unit test with a scripted event sequence (as torch
 elastic tests its agent with scripted monitor results)::
 
@@ -48,7 +48,7 @@ class RankPhase(str, enum.Enum):
     LOST = "lost"  # its host is gone (not a failure of the rank: no budget spent)
 
 
-# -- events ------------------------------------------------------------------
+# -- stimuli: what happened to a rank (not the event log of life/events.py) --
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class Probed:
     now: float
 
 
-Event = Died | Ready | RestartRequested | Timer | HostLost | Probed
+Stimulus = Died | Ready | RestartRequested | Timer | HostLost | Probed
 
 
 # -- actions -----------------------------------------------------------------
@@ -185,7 +185,7 @@ class RestartPolicy:
     def incarnation(self, rank: int) -> int:
         return self.ranks[rank].incarnation
 
-    def handle(self, event: Event) -> list[Action]:
+    def handle(self, event: Stimulus) -> list[Action]:
         if isinstance(event, Died):
             return self._died(event)
         if isinstance(event, Ready):

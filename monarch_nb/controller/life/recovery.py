@@ -37,16 +37,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..config import MeshConfig
-from ..errors import MembershipChanged, MonarchError, RankDied, RankErrors
-from ..futures import MeshFuture
-from ..stacks import RankStacks
-from ..wire.metas import meta_of
-from ..wire.protocol import Codec, Kind, Message, exec_parts
-from ..wire.transport import IOLoop
-from .calltable import CallTable, PendingCall
+from ...config import MeshConfig
+from ...errors import MembershipChanged, MonarchError, RankDied, RankErrors
+from ...futures import MeshFuture
+from ...procs.supervisor import RankProcess, Supervisor
+from ...stacks import RankStacks
+from ...wire.metas import meta_of
+from ...wire.protocol import Codec, Kind, Message, exec_parts
+from ...wire.transport import IOLoop
+from ..calls.calltable import CallTable, PendingCall
+from ..calls.output import CallOutput
 from .events import EventKind
-from .output import CallOutput
 from .policy import (
     Action,
     Died,
@@ -64,7 +65,6 @@ from .policy import (
 )
 from .rankstates import GONE, LIVE, WAIT_FOR, RankState
 from .ranktable import RankInfo, RankTable, describe_exit, free_port, signal_name
-from .supervisor import RankProcess, Supervisor
 
 REFORM_GRACE_S = 3.0  # a member still in the old group's collective this long after the REFORM is probed
 SPARE_DELAY_S = 2.0  # settled this long before a spare process is started

@@ -16,19 +16,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..config import MeshConfig
-from ..errors import MonarchError
-from ..futures import MeshFuture
-from ..wire import chunks
-from ..wire.protocol import Codec, Kind, exec_parts
-from ..wire.transport import IOLoop
+from ...config import MeshConfig
+from ...errors import MonarchError
+from ...futures import MeshFuture
+from ...wire import chunks
+from ...wire.protocol import Codec, Kind, exec_parts
+from ...wire.transport import IOLoop
+from ..inspector import Inspector
+from ..life.rankstates import GONE, RankState
+from ..life.ranktable import RankTable, describe_exit
+from ..life.recovery import Recovery
 from .calltable import CallTable, PendingCall
 from .dataplane import DataPlane
-from .inspector import Inspector
 from .output import CallOutput
-from .rankstates import GONE, RankState
-from .ranktable import RankTable, describe_exit
-from .recovery import Recovery
 
 
 class Caller:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..flight import IN_FLIGHT, group_label
+from ...flight import IN_FLIGHT, group_label
 from .collectives import RankTail
 
 CALLS_TID, COLLECTIVES_TID = 1, 2

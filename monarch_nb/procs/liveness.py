@@ -1,7 +1,7 @@
 """Is a silent rank dead, stopped, or only busy? Liveness that does not
 need the rank's GIL.
 
-A rank's heartbeat is sent by a Python thread (engine/worker.py's control
+A rank's heartbeat is sent by a Python thread (engine/loop.py's control
 thread), so code that holds the GIL without pause (a C extension that does
 not release it, pickling a 1 GiB result, a long regular expression) silences
 it as surely as a frozen process. Killing on silence alone cost healthy ranks
@@ -13,7 +13,7 @@ its heartbeat: silence past the timeout still means frozen or a hung host.
 
 Pure policy: :func:`judge` decides from figures; the controller reads them
 (:func:`os_state`) and acts. Non-goals: acting (controller/core.py), the
-heartbeat itself (engine/worker.py).
+heartbeat itself (engine/loop.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import no_free_port
+from ...errors import no_free_port
 from .events import Event, EventKind
 from .rankstates import LIVE, RankState, check
 

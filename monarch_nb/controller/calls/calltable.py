@@ -13,7 +13,7 @@ stamping progress; the controller sends what :meth:`issue` and
 :meth:`reissue` return. Tested with scripted sequences (tests/test_calltable.py).
 Runs on the thread that leads the I/O loop, like every handler.
 
-Non-goals: sending (core.py, calls.py), deciding about deaths (policy.py).
+Non-goals: sending (core.py, caller.py), deciding about deaths (policy.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import (
+from ...errors import (
     MembershipChanged,
     MeshNotRunning,
     RankDied,
@@ -35,9 +35,9 @@ from ..errors import (
     is_peer_loss,
     quote_first_line,
 )
-from ..futures import MeshFuture
-from ..results import RankResults
-from ..wire.protocol import Message
+from ...futures import MeshFuture
+from ...results import RankResults
+from ...wire.protocol import Message
 from .output import CallOutput
 
 

@@ -4,7 +4,7 @@ its last health reading in, one line out ("" when nothing more is known
 than the exit status already says).
 
 * a crash (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL): ranks enable
-  ``faulthandler`` (engine/worker.py), which writes every thread's Python
+  ``faulthandler`` (engine/loop.py), which writes every thread's Python
   stack into the log; the crashing thread is the one marked ``Current
   thread``. Its innermost frame and the innermost frame of the user's code
   are named: ``Segmentation fault in string_at (ctypes/__init__.py line

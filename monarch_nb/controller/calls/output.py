@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-from ..selection import format_ranks
-from ..wire import payloads
+from ...selection import format_ranks
+from ...wire import payloads
 
 FOLD_S = 0.05  # how long complete lines wait for identical lines from peers
 PARTIAL_S = 0.5  # how long a line without newline waits for the rest
