@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from monarch_nb import flight
-from monarch_nb.controller import collectives, deathcause, timeline
+from monarch_nb.controller.analysis import collectives, timeline
 from monarch_nb.controller.analysis.collectives import RankTail, analyze, stragglers
 from monarch_nb.engine import context, flightrec
 from monarch_nb.flight import OpRecord, mismatch_text
+from monarch_nb.procs import deathcause
 from monarch_nb.stacks import RankStacks, Stacks, hang_report
 
 from .tracecheck import check_chrome_trace

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from monarch_nb.controller import limits
+from monarch_nb.procs import limits
 
 SCRIPT = textwrap.dedent("""
     import resource, monarch_nb as mnb

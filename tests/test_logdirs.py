@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 
 from monarch_nb import Mesh
-from monarch_nb.controller import logdirs
+from monarch_nb.procs import logdirs
 
 from .conftest import wait_for
 
@@ -27,7 +27,7 @@ def _alive(pid: int) -> bool:
 
 def _made_by_a_process_that_ended(root: Path) -> Path:
     code = ("import tempfile, sys\ntempfile.tempdir = sys.argv[1]\n"
-            "from monarch_nb.controller import logdirs\nprint(logdirs.make())")
+            "from monarch_nb.procs import logdirs\nprint(logdirs.make())")
     out = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True,
                          text=True, check=True)
     return Path(out.stdout.strip())
