@@ -9,8 +9,11 @@
 #      - `python -m monarch_nb.launch -n 2` runs a torchrun-style all_reduce script
 # Environment: PYTHON (for the fresh venv, default python3), BUILD_PY (has build and
 # twine, default .venv/bin/python), TORCH_SPEC (pip arguments for torch; default:
-# `torch`, which pip's configured find-links / index resolve). Everything goes under a
-# temporary folder, removed at the end (KEEP=1 keeps it).
+# `torch`, which pip's configured find-links / index resolve), ISOLATED=1 (build in
+# isolated environments as pip would: minutes, since each installs jupyterlab; the
+# default builds with BUILD_PY's environment, after checking that it has every
+# package build-system.requires names). Everything goes under a temporary folder,
+# removed at the end (KEEP=1 keeps it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -22,7 +25,31 @@ t0=$(date +%s)
 step() { echo "== [wheel-check] $1 ($(( $(date +%s) - t0 )) s)"; }
 
 step "build sdist and wheel into $work/dist"
-"$BUILD_PY" -m build --outdir "$work/dist" . >"$work/build.log" 2>&1 || { tail -40 "$work/build.log"; exit 1; }
+isolation=()
+if [ "${ISOLATED:-0}" != 1 ]; then
+  # build's own check: every build-system.requires entry installed in BUILD_PY's env
+  "$BUILD_PY" - <<'PY' || { echo "BUILD_PY lacks build requirements: pip install them or ISOLATED=1"; exit 1; }
+import sys
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+from importlib.metadata import PackageNotFoundError, version
+from packaging.requirements import Requirement
+missing = []
+for spec in tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"]:
+    req = Requirement(spec)
+    try:
+        if not req.specifier.contains(version(req.name), prereleases=True):
+            missing.append(f"{spec} (have {version(req.name)})")
+    except PackageNotFoundError:
+        missing.append(spec)
+print("build requirements:", "missing " + ", ".join(missing) if missing else "all installed")
+sys.exit(1 if missing else 0)
+PY
+  isolation=(--no-isolation)
+fi
+"$BUILD_PY" -m build "${isolation[@]}" --outdir "$work/dist" . >"$work/build.log" 2>&1 || { tail -40 "$work/build.log"; exit 1; }
 ls -l "$work/dist"
 wheel=$(ls "$work"/dist/monarch_nb-*.whl)
 sdist=$(ls "$work"/dist/monarch_nb-*.tar.gz)
