@@ -110,7 +110,7 @@ $(DOCS_STAMP): pyproject.toml $(TORCH_STAMP)
 	@touch $@
 
 docs: $(DOCS_STAMP)
-	$(PY) -m sphinx -b html -W --keep-going -n docs docs/_build/html
+	$(PY) -m sphinx -b html -W --keep-going docs docs/_build/html
 	$(PY) scripts/check_doc_links.py
 
 # The package as users get it: sdist + wheel, twine check, the wheel in a fresh

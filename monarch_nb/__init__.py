@@ -42,7 +42,7 @@ from .errors import (
 from .futures import MeshFuture
 
 if TYPE_CHECKING:
-    from .mesh import Mesh, SubMesh
+    from .mesh import Mesh, SubMesh, stop_all
     from .results import RankResults
 
 __version__ = "0.1.0"
@@ -52,13 +52,13 @@ __all__ = [
     "MonarchError", "MeshNotRunning", "RemoteError", "RankErrors", "RankDied",
     "MembershipChanged", "CallTimeout", "UsageError",
     "rank", "world_size", "local_rank", "device", "incarnation", "log",
-    "load_ipython_extension", "unload_ipython_extension",
+    "load_ipython_extension", "unload_ipython_extension", "stop_all",
 ]
 
 # Names loaded on first use, and the module that defines each. (The atexit
 # stop of live meshes is registered where a mesh is made: mesh.py.)
 _LAZY = {"Mesh": "monarch_nb.mesh", "SubMesh": "monarch_nb.mesh",
-         "RankResults": "monarch_nb.results"}
+         "stop_all": "monarch_nb.mesh", "RankResults": "monarch_nb.results"}
 
 
 def __getattr__(name: str) -> Any:
