@@ -146,3 +146,23 @@ class KernelSession:
             if self.km.has_kernel:
                 self.km.shutdown_kernel(now=True)
             self.km.cleanup_resources()
+
+
+MAGICS = "get_ipython().find_magic('monarch').__self__"
+
+
+@contextlib.contextmanager
+def kernel_with_mesh(n: int = 3) -> Any:
+    """A real kernel with ``%monarch start -n N --backend cpu`` done; the mesh
+    is stopped and the kernel shut down afterwards, whatever happened."""
+    ks = KernelSession()
+    try:
+        assert ks.run("%load_ext monarch_nb").status == "ok"
+        r = ks.run(f"%monarch start -n {n} --backend cpu --no-dashboard", timeout=180)
+        assert r.status == "ok", r
+        yield ks
+    finally:
+        with contextlib.suppress(Exception):
+            ks.run(f"_m = {MAGICS}.mesh\nif _m is not None and _m.running:\n    _m.stop()",
+                   timeout=30)
+        ks.close()

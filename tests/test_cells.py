@@ -7,14 +7,13 @@ Tests run in file order: the fresh-namespace test first, kills last.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Iterator
 
 import pytest
 
 from .conftest import wait_for
-from .kernel_util import KernelSession
+from .kernel_util import KernelSession, kernel_with_mesh
 from .test_magics import MAGICS, _wait_for_iopub, failed, ok, py_value, started_ranks
 
 pytestmark = pytest.mark.kernel
@@ -28,17 +27,8 @@ NAMESPACE_CHECK = ("%%monarch -o _ns\n"
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[KernelSession]:
-    ks = KernelSession()
-    try:
-        assert ks.run("%load_ext monarch_nb").status == "ok"
-        r = ks.run("%monarch start -n 3 --backend cpu --no-dashboard", timeout=180)
-        assert r.status == "ok", r
+    with kernel_with_mesh(3) as ks:
         yield ks
-    finally:
-        with contextlib.suppress(Exception):
-            ks.run(f"_m = {MAGICS}.mesh\nif _m is not None and _m.running:\n    _m.stop()",
-                   timeout=30)
-        ks.close()
 
 
 def namespaces(ks: KernelSession) -> dict[int, tuple[object, ...]]:

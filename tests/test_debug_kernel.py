@@ -10,33 +10,21 @@ stacks name both groups, and ``%monarch stop`` ending the stuck ranks.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from .conftest import wait_for, worker_pids
-from .kernel_util import KernelSession
+from .kernel_util import MAGICS, KernelSession, kernel_with_mesh
 
 pytestmark = pytest.mark.kernel
-
-MAGICS = "get_ipython().find_magic('monarch').__self__"
 
 
 @pytest.fixture(scope="module")
 def ks() -> Iterator[KernelSession]:
-    ks = KernelSession()
-    try:
-        assert ks.run("%load_ext monarch_nb").status == "ok"
-        r = ks.run("%monarch start -n 3 --backend cpu --no-dashboard", timeout=180)
-        assert r.status == "ok", r
+    with kernel_with_mesh(3) as ks:
         yield ks
-    finally:
-        with contextlib.suppress(Exception):
-            ks.run(f"_m = {MAGICS}.mesh\nif _m is not None and _m.running:\n    _m.stop()",
-                   timeout=30)
-        ks.close()
 
 
 def test_post_mortem_evaluates_in_the_failed_frame(ks: KernelSession) -> None:
