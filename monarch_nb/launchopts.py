@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ from .errors import UsageError
 # The launcher's own options that the announced form takes after the script.
 AFTER_SCRIPT = ("--backend", "--nodes", "--gpus-per-node", "--respawn", "--launcher", "--hosts")
 ENV_VIRTUAL_LOCAL_RANK = "MONARCH_NB_VIRTUAL_LOCAL_RANK"  # read by Supervisor.env_for
+DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's
 
 
 def _both(name: str) -> list[str]:
@@ -187,6 +189,17 @@ class Plan:
     hidden: dict[int, set[str]] = field(default_factory=dict)  # local rank -> streams not shown
     dup_filters: dict[str, list[str]] = field(default_factory=dict)  # stream -> words
     notes: list[str] = field(default_factory=list)
+    # signals passed on to every rank that then stop the run after
+    # shutdown_timeout s (torchrun's --signals-to-handle, SIGTERM always);
+    # SIGUSR1/SIGUSR2 not among them are passed on and the run goes on
+    stop_signals: frozenset[int] = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
+                                              signal.SIGQUIT})
+    shutdown_timeout: float = 30.0  # torchrun's default (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
+
+    @property
+    def forward_signals(self) -> frozenset[int]:
+        """Signals passed on to every rank: the stopping ones and SIGUSR1/2."""
+        return self.stop_signals | {signal.SIGUSR1, signal.SIGUSR2}
 
 
 def _nnodes(text: str | None) -> int | None:
@@ -247,6 +260,21 @@ def _filters(text: str | None) -> list[str]:
     if not text:
         return []
     return [w.replace("\0", ",") for w in text.replace(",,", "\0").split(",") if w]
+
+
+def _signal_set(text: str) -> frozenset[int]:
+    """torchrun's --signals-to-handle: ``SIGTERM,SIGUSR1``; SIGTERM always."""
+    out = {signal.SIGTERM}
+    for name in (w.strip() for w in text.split(",")):
+        if not name:
+            continue
+        num = getattr(signal, name.upper() if name.upper().startswith("SIG")
+                      else "SIG" + name.upper(), None)
+        if not isinstance(num, signal.Signals) or num in (signal.SIGKILL, signal.SIGSTOP):
+            raise UsageError(f"--signals-to-handle {text!r}: {name!r} is not a signal that can "
+                             "be handled; give names such as SIGTERM,SIGUSR1")
+        out.add(num)
+    return frozenset(out)
 
 
 def plan(ns: argparse.Namespace) -> Plan:
@@ -378,11 +406,17 @@ def plan(ns: argparse.Namespace) -> Plan:
         moot("--event-log-handler", "monarch_nb's events are shown here and in mesh.events")
     if ns.local_addr:
         moot("--local-addr", "the controller's address is --bind")
-    if ns.signals_to_handle:
-        moot("--signals-to-handle", "SIGINT and SIGTERM stop every rank; other signals are "
-                                    "not forwarded")
-    if ns.shutdown_timeout is not None:
-        moot("--shutdown-timeout", "ranks are stopped over their socket, and killed after 3 s")
+    stop_signals = _signal_set(ns.signals_to_handle or DEFAULT_SIGNALS_TO_HANDLE)
+    grace = ns.shutdown_timeout
+    if grace is None:
+        text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+        try:
+            grace = float(text)
+        except ValueError:
+            raise UsageError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={text!r}: a number of seconds") \
+                from None
+    if grace < 0:
+        raise UsageError(f"--shutdown-timeout must be 0 or more, not {grace:g}")
 
     run_id = (None if ns.standalone else ns.rdzv_id) or uuid.uuid4().hex
     env = {"ROLE_NAME": ns.role, "TORCHELASTIC_RUN_ID": run_id,
@@ -407,6 +441,7 @@ def plan(ns: argparse.Namespace) -> Plan:
         console = {r: {"stdout", "stderr"} for r in shown}
     mode = "module" if ns.module else ("exec" if ns.no_python else "path")
     return Plan(mesh=opts, mode=mode, run_id=run_id, per_node=per_node or n or 1,
+                stop_signals=stop_signals, shutdown_timeout=grace,
                 log_dir=log_dir, console=console, hidden=redirects,
                 dup_filters={"stdout": _filters(ns.dup_stdout),
                              "stderr": _filters(ns.dup_stderr)},
