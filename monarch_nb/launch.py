@@ -48,7 +48,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from .errors import MembershipChanged, MonarchError, RankDied, RemoteError, UsageError
-from .launchopts import Plan, build_parser, mesh_options, parse, plan, shown
+from .launchopts import (
+    Plan,
+    build_parser,
+    line_prefix,
+    logged,
+    mesh_options,
+    parse,
+    plan,
+    shown,
+)
 
 EXIT_INTERRUPTED = 130
 FAIL_GRACE_S = 5.0  # after a final failure, how long the other ranks may finish
@@ -249,7 +258,7 @@ class ScriptRun:
         # Filters (-r, --local-ranks-filter, duplicate filters) need to know
         # the rank of a line: one output per rank then.
         h = self.how
-        per_rank = (h.console is not None or bool(h.hidden)
+        per_rank = (h.console is not None or bool(h.hidden) or h.line_prefix is not None
                     or any(h.dup_filters.get(s) for s in ("stdout", "stderr")))
         self.outputs: dict[int, Any] = {}
         if per_rank:
@@ -262,8 +271,13 @@ class ScriptRun:
 
     def _emitter(self, rank: int) -> Callable[[str, str], None]:
         local = rank % max(1, self.how.per_node)
+        prefix = line_prefix(self.how, rank, local)
+        label = f"[{rank}] "
 
         def emit(stream: str, text: str) -> None:
+            if prefix is not None:  # torchrun's template instead of the [rank] label
+                text = "".join(prefix + (ln[len(label):] if ln.startswith(label) else ln)
+                               for ln in text.splitlines(True))
             words = self.how.dup_filters.get(stream)
             if words:
                 self._duplicate(stream, text, words)
@@ -406,6 +420,8 @@ class ScriptRun:
         folder = os.path.join(self.how.log_dir, self.how.run_id)
         os.makedirs(folder, exist_ok=True)
         for r in range(self.mesh.world_size):
+            if not logged(self.how, r % max(1, self.how.per_node)):
+                continue  # -r/-t name other local ranks (torchrun writes files for those only)
             with open(os.path.join(folder, f"rank{r}.log"), "w", encoding="utf-8") as f:
                 f.writelines(line + "\n" for line in self.mesh.logs(r, 10**9))
         return folder
