@@ -165,3 +165,56 @@ def test_shutdown_timeout_from_torch_environment(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "soon")
     with pytest.raises(UsageError, match="TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
         _plan()
+
+
+# -- a notebook's mesh: Mesh.signal_all, Mesh.stop(signal=...) --------------------------------
+CELL = """\
+import os, signal, time
+_stop = False
+
+def _on_signal(signum, frame):
+    global _stop
+    name = signal.Signals(signum).name
+    with open(os.path.join(FOLDER, f"ckpt{os.environ['RANK']}.{name}"), "w") as f:
+        f.write(str(os.getpid()))
+    _stop = _stop or signum == signal.SIGTERM
+
+signal.signal(signal.SIGTERM, _on_signal)
+signal.signal(signal.SIGUSR1, _on_signal)
+open(os.path.join(FOLDER, f"armed{os.environ['RANK']}"), "w").close()
+while not _stop:
+    time.sleep(0.02)
+"""
+
+
+def test_mesh_stop_with_sigterm_lets_the_running_cell_checkpoint(tmp_path: Path) -> None:
+    from monarch_nb import Mesh
+
+    mesh = Mesh.start(n=2, backend="cpu")
+    try:
+        pids = [p.pid for p in mesh._ctl.supervisor.procs.values()]
+        mesh.exec(f"FOLDER = {str(tmp_path)!r}")
+        fut = mesh.exec_async(CELL)
+        wait_for(lambda: all((tmp_path / f"armed{r}").exists() for r in (0, 1)), timeout=30,
+                 what="the cell's handlers installed")
+        assert sorted(mesh.signal_all("USR1")) == [0, 1]
+        wait_for(lambda: all((tmp_path / f"ckpt{r}.SIGUSR1").exists() for r in (0, 1)),
+                 timeout=20, what="both ranks' SIGUSR1 handlers")
+        assert not fut.done() and mesh.running  # USR1 only passes on
+        mesh.stop(signal="TERM", grace=60)
+        assert fut.done() and fut.exception() is None  # the cell ended in the grace
+        for r, pid in enumerate(pids):
+            assert (tmp_path / f"ckpt{r}.SIGTERM").read_text() == str(pid)
+        wait_for(lambda: not _gone(pids), timeout=10, what="the ranks to be gone")
+    finally:
+        if mesh.running:
+            mesh.stop()
+
+
+def test_monarch_stop_takes_a_signal_and_a_grace() -> None:
+    from monarch_nb.ui.magics import _P, _parse
+
+    args = _parse(_P.stop, "--signal TERM --grace 5")
+    assert (args.signal, args.grace) == ("TERM", 5.0)
+    plain = _parse(_P.stop, "")
+    assert (plain.signal, plain.grace) == (None, None)
