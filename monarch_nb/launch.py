@@ -14,7 +14,15 @@ Terminal: a live status line per rank (state, incarnation, loss once
 labelled ``[rank]`` on stdout, events (deaths, respawns) as lines on stderr,
 then a summary. Exit status: 0 when every rank finished, else the first
 failure's (the script's ``sys.exit`` code, 1 for an exception, 128+N for a
-rank killed by signal N), 130 on Ctrl-C (which stops every rank).
+rank killed by signal N), 130 on Ctrl-C (which stops every rank at once).
+
+Signals, as torchrun passes them on: SIGTERM (a batch system's or
+Kubernetes' stop; also SIGHUP, SIGQUIT and whatever --signals-to-handle
+names) goes to every rank's process group, so the script's own handler runs
+(a checkpoint on preemption); the run stops once every rank's script ended,
+or after --shutdown-timeout (30 s), killed ranks are not respawned, and the
+status is 128+N (143 for SIGTERM). A second one stops at once. SIGUSR1 and
+SIGUSR2 (SLURM's ``--signal``) are passed on and the run goes on.
 
 Options go before the script; after it, the launcher's own options
 (``--nodes=8 --gpus-per-node=8``, the announced form) up to a ``--`` are the
@@ -40,7 +48,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from .errors import MembershipChanged, MonarchError, RankDied, RemoteError, UsageError
-from .launchopts import Plan, build_parser, mesh_options, parse, plan, shown
+from .launchopts import (
+    Plan,
+    build_parser,
+    line_prefix,
+    logged,
+    mesh_options,
+    parse,
+    plan,
+    shown,
+)
 
 EXIT_INTERRUPTED = 130
 FAIL_GRACE_S = 5.0  # after a final failure, how long the other ranks may finish
@@ -230,12 +247,18 @@ class ScriptRun:
         self.failed_at: float | None = None
         self.seen_events = len(mesh.events)
         self.dup_files: dict[str, TextIO] = {}
+        # signals the launcher received, passed on from the loop (the
+        # handler only queues them: it may run in the middle of the I/O loop)
+        self.signals: list[int] = []
+        self.stopping: int | None = None  # the signal that stops the run
+        self.stop_by = 0.0
+        self.stop_now = False
         # One output for every rank, so identical lines fold ("[0-3] epoch 1").
         # Announcements are shown from the event log instead (no duplicates).
         # Filters (-r, --local-ranks-filter, duplicate filters) need to know
         # the rank of a line: one output per rank then.
         h = self.how
-        per_rank = (h.console is not None or bool(h.hidden)
+        per_rank = (h.console is not None or bool(h.hidden) or h.line_prefix is not None
                     or any(h.dup_filters.get(s) for s in ("stdout", "stderr")))
         self.outputs: dict[int, Any] = {}
         if per_rank:
@@ -248,8 +271,13 @@ class ScriptRun:
 
     def _emitter(self, rank: int) -> Callable[[str, str], None]:
         local = rank % max(1, self.how.per_node)
+        prefix = line_prefix(self.how, rank, local)
+        label = f"[{rank}] "
 
         def emit(stream: str, text: str) -> None:
+            if prefix is not None:  # torchrun's template instead of the [rank] label
+                text = "".join(prefix + (ln[len(label):] if ln.startswith(label) else ln)
+                               for ln in text.splitlines(True))
             words = self.how.dup_filters.get(stream)
             if words:
                 self._duplicate(stream, text, words)
@@ -288,11 +316,17 @@ class ScriptRun:
         for r in ranks:
             self.submit(r)
         while True:
+            self._pass_on_signals()
             self._show_events()
             self._collect()
             self.term.update(self.mesh.status(), self.done)
             open_ranks = [r for r in self.futures if r not in self.done and r not in self.failed]
-            if not open_ranks:
+            if not open_ranks or self.stop_now:
+                break
+            if self.stopping is not None and time.monotonic() > self.stop_by:
+                self.term.line(f"monarch_nb: {_name(self.stopping)}: rank(s) "
+                               f"{', '.join(map(str, open_ranks))} still running after "
+                               f"{self.how.shutdown_timeout:g} s (--shutdown-timeout); stopping them")
                 break
             if self.failed_at is not None and time.monotonic() - self.failed_at > FAIL_GRACE_S:
                 break
@@ -304,6 +338,32 @@ class ScriptRun:
         for f in self.dup_files.values():
             f.close()
         return self._summary()
+
+    def _pass_on_signals(self) -> None:
+        """Pass each signal the launcher got on to every rank (its handlers
+        run there: a checkpoint on preemption). A stopping one (SIGTERM,
+        --signals-to-handle) ends the run once every rank's script ended or
+        after --shutdown-timeout; a second one stops at once; a rank it ends
+        is not respawned. SIGUSR1/2 (SLURM's --signal) are only passed on."""
+        while self.signals:
+            sig = self.signals.pop(0)
+            stops = sig in self.how.stop_signals
+            if stops and self.stopping is not None:
+                self.term.line(f"monarch_nb: {_name(sig)} again: stopping every rank now")
+                self.stop_now = True
+                return
+            if stops:
+                self.stopping = sig
+                self.stop_by = time.monotonic() + self.how.shutdown_timeout
+                self.term.line(f"monarch_nb: {_name(sig)}: passed on to every rank; stopping "
+                               f"when their scripts end, at most {self.how.shutdown_timeout:g} s "
+                               "(--shutdown-timeout)")
+            else:
+                self.term.line(f"monarch_nb: {_name(sig)}: passed on to every rank")
+            try:
+                self.mesh.signal_all(sig, stopping=stops)
+            except MonarchError as exc:
+                self.term.line(f"monarch_nb: could not pass {_name(sig)} on: {exc}")
 
     def _deaths(self) -> int:
         return sum(1 for ev in self.mesh.events if ev["kind"] in DEATH_EVENTS)
@@ -326,13 +386,14 @@ class ScriptRun:
             changed = self._deaths() > self.deaths_at_submit.get(rank, 0)
             respawn = self.mesh.config.respawn
             if (respawn != "off" and not changed and isinstance(err, RemoteError)
-                    and self.failed_at is None):
+                    and self.failed_at is None and self.stopping is None):
                 since = self.undecided.setdefault(rank, now)
                 if now - since < PEER_LOSS_WAIT_S:
                     continue
             self.undecided.pop(rank, None)
             again = (retryable(err, respawn, changed) and state != "failed"
-                     and self.failed_at is None and self.reruns.get(rank, 0) < MAX_RERUNS)
+                     and self.failed_at is None and self.stopping is None
+                     and self.reruns.get(rank, 0) < MAX_RERUNS)
             if again:
                 self.reruns[rank] = self.reruns.get(rank, 0) + 1
                 self.term.line(f"monarch_nb: rank {rank} runs the script again "
@@ -359,12 +420,25 @@ class ScriptRun:
         folder = os.path.join(self.how.log_dir, self.how.run_id)
         os.makedirs(folder, exist_ok=True)
         for r in range(self.mesh.world_size):
+            if not logged(self.how, r % max(1, self.how.per_node)):
+                continue  # -r/-t name other local ranks (torchrun writes files for those only)
             with open(os.path.join(folder, f"rank{r}.log"), "w", encoding="utf-8") as f:
                 f.writelines(line + "\n" for line in self.mesh.logs(r, 10**9))
         return folder
 
     def _summary(self) -> int:
         world = self.mesh.world_size
+        if self.stopping is not None:
+            # the run was stopped: the status says so (143 for SIGTERM, what a
+            # batch system or a shell expects), whatever the ranks did with it
+            ended = sorted(self.failed)
+            self.term.line(f"monarch_nb: stopped by {_name(self.stopping)}: {len(self.done)} of "
+                           f"{world} rank(s) finished"
+                           + (f"; rank(s) {', '.join(map(str, ended))} ended by it" if ended
+                              else ""))
+            for rank in ended:
+                self.term.line(f"  rank {rank}: {describe_failure(self.failed[rank])}")
+            return 128 + self.stopping
         if not self.failed and len(self.done) == world:
             self.term.line(f"monarch_nb: all {world} rank(s) finished")
             return 0
@@ -385,6 +459,21 @@ class ScriptRun:
             self.term.line(line)
         assert self.first_failure is not None
         return exit_code_of(self.failed[self.first_failure]) or 1
+
+
+def _name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+class Stopped(BaseException):
+    """A stopping signal before the script started: nothing to pass on."""
+
+    def __init__(self, sig: int) -> None:
+        super().__init__(_name(sig))
+        self.sig = sig
 
 
 def _free_port(addr: str) -> int:
@@ -429,20 +518,31 @@ def run(argv: Sequence[str] | None = None, prog: str = "python -m monarch_nb.lau
         sys.stderr.write(OMP_NOTICE + "\n")  # the ranks get OMP_NUM_THREADS=1 (supervisor.py)
     from .mesh import Mesh
 
-    # SIGTERM (a batch system's stop) is handled like Ctrl-C: stop every rank.
-    def on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    old_term = signal.signal(signal.SIGTERM, on_term)
-    # Python leaves SIGINT ignored when it starts ignored, as it does for a
-    # shell's background job (`launch ... &` in a script, a CI runner): a
-    # `kill -INT` would then leave the whole mesh running. Like torchrun, the
-    # launcher takes SIGINT itself whatever it inherited.
-    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     live = not ns.no_status and sys.stderr.isatty()
     term = Terminal(live)
     mesh = None
-    script_run = None
+    script_run: ScriptRun | None = None
+
+    # SIGTERM (a batch system's or Kubernetes' stop), SIGUSR1/2 (SLURM's
+    # --signal) and --signals-to-handle: passed on to every rank by the run
+    # (ScriptRun._pass_on_signals). Before the script runs, a stopping one
+    # stops at once. A signal ignored when we started (nohup: SIGHUP) stays so.
+    def on_signal(signum: int, frame: Any) -> None:
+        if script_run is not None:
+            script_run.signals.append(signum)
+        elif signum in how.stop_signals:
+            raise Stopped(signum)
+
+    saved: dict[int, Any] = {}
+    for sig in sorted(how.forward_signals - {signal.SIGINT}):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            saved[sig] = signal.signal(sig, on_signal)
+    # Python leaves SIGINT ignored when it starts ignored, as it does for a
+    # shell's background job (`launch ... &` in a script, a CI runner): a
+    # `kill -INT` would then leave the whole mesh running. Like torchrun, the
+    # launcher takes SIGINT itself whatever it inherited. Ctrl-C stops every
+    # rank at once (their calls get KeyboardInterrupt).
+    saved[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         def progress(infos: list[Any]) -> None:
             ready = sum(1 for i in infos if i.state.value == "ready")
@@ -459,6 +559,9 @@ def run(argv: Sequence[str] | None = None, prog: str = "python -m monarch_nb.lau
     except KeyboardInterrupt:
         term.line("monarch_nb: interrupted; stopping every rank")
         code = EXIT_INTERRUPTED
+    except Stopped as exc:
+        term.line(f"monarch_nb: {exc} before the script started; stopping every rank")
+        code = 128 + exc.sig
     except MonarchError as exc:
         term.line(f"monarch_nb: {exc}")
         code = 2 if isinstance(exc, UsageError) else 1
@@ -466,8 +569,8 @@ def run(argv: Sequence[str] | None = None, prog: str = "python -m monarch_nb.lau
         try:
             if mesh is not None:
                 # a second Ctrl-C must not leave ranks behind: stop is not interruptible
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                for sig in saved:
+                    signal.signal(sig, signal.SIG_IGN)
                 if script_run is not None:
                     try:
                         folder = script_run.save_logs()
@@ -477,8 +580,8 @@ def run(argv: Sequence[str] | None = None, prog: str = "python -m monarch_nb.lau
                         term.line(f"monarch_nb: could not save the rank logs: {exc}")
                 mesh.stop()
         finally:
-            signal.signal(signal.SIGINT, old_int)
-            signal.signal(signal.SIGTERM, old_term)
+            for sig, old in saved.items():
+                signal.signal(sig, old)
     return code
 
 

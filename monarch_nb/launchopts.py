@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,9 @@ from .errors import UsageError
 # The launcher's own options that the announced form takes after the script.
 AFTER_SCRIPT = ("--backend", "--nodes", "--gpus-per-node", "--respawn", "--launcher", "--hosts")
 ENV_VIRTUAL_LOCAL_RANK = "MONARCH_NB_VIRTUAL_LOCAL_RANK"  # read by Supervisor.env_for
+DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's
+# torchrun's: ${role_name}, ${rank}, ${local_rank} (string.Template) before each line
+ENV_LINE_PREFIX = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 
 
 def _both(name: str) -> list[str]:
@@ -47,8 +51,10 @@ def _both(name: str) -> list[str]:
 
 
 def build_parser(prog: str = "python -m monarch_nb.launch") -> argparse.ArgumentParser:
+    # allow_abbrev: torchrun's parser takes unambiguous prefixes (--redirect,
+    # --max-restart, --standal); parse() resolves them the same way
     p = argparse.ArgumentParser(
-        prog=prog, allow_abbrev=False,
+        prog=prog,
         description="Run SCRIPT on every rank of a mesh controlled by this process "
                     "(supervised: dead ranks are respawned and run the script again).",
         epilog="Options go before SCRIPT. After SCRIPT, the launcher's own options "
@@ -127,7 +133,56 @@ def build_parser(prog: str = "python -m monarch_nb.launch") -> argparse.Argument
     p.add_argument("script", help="the Python file every rank runs as __main__ (with -m a "
                                   "module, with --no-python a program)")
     p.add_argument("args", nargs="*", help="arguments for the script")
+    for action in torchrun_actions(p):
+        _env_default(p, action)
     return p
+
+
+TORCHRUN_GROUP = "torchrun's flags"
+
+
+def torchrun_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The actions of torchrun's flags (--master-addr too: torchrun has it)."""
+    out = [a for g in parser._action_groups if g.title == TORCHRUN_GROUP
+           for a in g._group_actions]
+    return out + [a for a in parser._actions if a.dest == "master_addr"]
+
+
+def pet_name(action: argparse.Action) -> str:
+    """torchrun's environment variable for a flag (torch/distributed/
+    argparse_util.py): PET_ and its dest, which argparse takes from the
+    longest option string (--duplicate-stdout-filters: PET_DUPLICATE_STDOUT_FILTERS)."""
+    longest = max(action.option_strings, key=len)
+    return "PET_" + longest.lstrip("-").replace("-", "_").upper()
+
+
+def _env_default(parser: argparse.ArgumentParser, action: argparse.Action) -> None:
+    """torchrun reads every flag it is not given from PET_<FLAG> (its
+    ``env`` / ``check_env`` actions): the flag's default becomes it."""
+    value = os.environ.get(pet_name(action))
+    if value is None:
+        return
+    if action.nargs == 0:  # a switch: check_env's int(), 1 on, 0 off
+        try:
+            action.default = bool(int(value))
+        except ValueError:
+            parser.error(f"{pet_name(action)}={value!r}: 1 turns "
+                         f"{action.option_strings[-1]} on, 0 off")
+        return
+    action.default = value  # a string default goes through the flag's type
+
+
+def _given_torchrun(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[str]:
+    """The torchrun flags this launch uses (on the command line or as PET_
+    variables), by name."""
+    used = []
+    for action in torchrun_actions(parser):
+        if action.dest == "master_addr":
+            continue  # the launcher's own option too: it says nothing of torchrun
+        value = getattr(ns, action.dest, None)
+        if pet_name(action) in os.environ or value not in (None, False, "default"):
+            used.append(action.option_strings[0])
+    return used
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
@@ -145,7 +200,7 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
             break
         if not tok.startswith("-") or tok == "-":
             break
-        i += 2 if tok in takes_value else 1  # (--opt=value and -n2 are one token)
+        i += 2 if _resolve(parser, tok) in takes_value else 1  # (--opt=value, -n2: one token)
     options = [t for t in argv[:i] if t != "--"]
     if i >= len(argv):
         parser.parse_args(options)  # --help, or "the following arguments are required: script"
@@ -170,7 +225,19 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
     ns = parser.parse_args([*options, *taken, "--", script])
     ns.args = args
     ns.taken = taken
+    ns.torchrun = _given_torchrun(parser, ns)
     return ns
+
+
+def _resolve(parser: argparse.ArgumentParser, tok: str) -> str:
+    """The option a token names: itself, or the one option an unambiguous
+    prefix stands for (``--max-restart`` is ``--max-restarts``; argparse
+    says so itself when a prefix is ambiguous)."""
+    if tok in parser._option_string_actions or not tok.startswith("--") or "=" in tok:
+        return tok
+    actions = {id(a): opt for opt, a in parser._option_string_actions.items()
+               if opt.startswith(tok)}
+    return next(iter(actions.values())) if len(actions) == 1 else tok
 
 
 # -- what the options mean ------------------------------------------------------------------
@@ -185,8 +252,24 @@ class Plan:
     log_dir: str | None = None
     console: dict[int, set[str]] | None = None  # local rank -> streams shown (None: all)
     hidden: dict[int, set[str]] = field(default_factory=dict)  # local rank -> streams not shown
+    # local rank (-1: every one) -> streams -r/-t send to log files; None: all
+    # ranks' output is saved (--log-dir alone)
+    logged: dict[int, set[str]] | None = None
+    role: str = "default"
+    line_prefix: str | None = None  # TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE
     dup_filters: dict[str, list[str]] = field(default_factory=dict)  # stream -> words
     notes: list[str] = field(default_factory=list)
+    # signals passed on to every rank that then stop the run after
+    # shutdown_timeout s (torchrun's --signals-to-handle, SIGTERM always);
+    # SIGUSR1/SIGUSR2 not among them are passed on and the run goes on
+    stop_signals: frozenset[int] = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
+                                              signal.SIGQUIT})
+    shutdown_timeout: float = 30.0  # torchrun's default (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
+
+    @property
+    def forward_signals(self) -> frozenset[int]:
+        """Signals passed on to every rank: the stopping ones and SIGUSR1/2."""
+        return self.stop_signals | {signal.SIGUSR1, signal.SIGUSR2}
 
 
 def _nnodes(text: str | None) -> int | None:
@@ -247,6 +330,21 @@ def _filters(text: str | None) -> list[str]:
     if not text:
         return []
     return [w.replace("\0", ",") for w in text.replace(",,", "\0").split(",") if w]
+
+
+def _signal_set(text: str) -> frozenset[int]:
+    """torchrun's --signals-to-handle: ``SIGTERM,SIGUSR1``; SIGTERM always."""
+    out = {signal.SIGTERM}
+    for name in (w.strip() for w in text.split(",")):
+        if not name:
+            continue
+        num = getattr(signal, name.upper() if name.upper().startswith("SIG")
+                      else "SIG" + name.upper(), None)
+        if not isinstance(num, signal.Signals) or num in (signal.SIGKILL, signal.SIGSTOP):
+            raise UsageError(f"--signals-to-handle {text!r}: {name!r} is not a signal that can "
+                             "be handled; give names such as SIGTERM,SIGUSR1")
+        out.add(num)
+    return frozenset(out)
 
 
 def plan(ns: argparse.Namespace) -> Plan:
@@ -330,6 +428,22 @@ def plan(ns: argparse.Namespace) -> Plan:
 
     opts: dict[str, Any] = {"backend": backend, "respawn": ns.respawn, "launcher": launcher,
                             "hosts": ns.hosts}
+    # torchrun's flags in use: torchrun's defaults too (1 rank per node, no
+    # restart), said once; with none, monarch_nb's own (min(4, cores) ranks,
+    # MeshConfig.restart_budget respawns)
+    torchrun = list(getattr(ns, "torchrun", []))
+    max_restarts = ns.max_restarts
+    if torchrun:
+        defaulted = []
+        if per_node is None and ns.n is None:
+            per_node = 1
+            defaulted.append("--nproc-per-node 1")
+        if max_restarts is None:
+            max_restarts = 0
+            defaulted.append("--max-restarts 0: a dead rank is not respawned")
+        if defaulted:
+            notes.append(f"monarch_nb: torchrun's flags in use ({', '.join(torchrun)}), so "
+                         f"torchrun's defaults apply: {'; '.join(defaulted)}")
     n = ns.n
     if n is None and per_node is not None:
         n = (nodes or 1) * per_node
@@ -345,10 +459,10 @@ def plan(ns: argparse.Namespace) -> Plan:
     if ns.insecure_no_encryption:
         opts["insecure_no_encryption"] = True
     budget = MeshConfig.restart_budget
-    if ns.max_restarts is not None:
-        if ns.max_restarts < 0:
-            raise UsageError(f"--max-restarts must be 0 or more, not {ns.max_restarts}")
-        budget = opts["restart_budget"] = ns.max_restarts
+    if max_restarts is not None:
+        if max_restarts < 0:
+            raise UsageError(f"--max-restarts must be 0 or more, not {max_restarts}")
+        budget = opts["restart_budget"] = max_restarts
     for item in (ns.rdzv_conf or "").split(","):
         key, _, value = item.partition("=")
         key = key.strip()
@@ -378,11 +492,17 @@ def plan(ns: argparse.Namespace) -> Plan:
         moot("--event-log-handler", "monarch_nb's events are shown here and in mesh.events")
     if ns.local_addr:
         moot("--local-addr", "the controller's address is --bind")
-    if ns.signals_to_handle:
-        moot("--signals-to-handle", "SIGINT and SIGTERM stop every rank; other signals are "
-                                    "not forwarded")
-    if ns.shutdown_timeout is not None:
-        moot("--shutdown-timeout", "ranks are stopped over their socket, and killed after 3 s")
+    stop_signals = _signal_set(ns.signals_to_handle or DEFAULT_SIGNALS_TO_HANDLE)
+    grace = ns.shutdown_timeout
+    if grace is None:
+        text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+        try:
+            grace = float(text)
+        except ValueError:
+            raise UsageError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={text!r}: a number of seconds") \
+                from None
+    if grace < 0:
+        raise UsageError(f"--shutdown-timeout must be 0 or more, not {grace:g}")
 
     run_id = (None if ns.standalone else ns.rdzv_id) or uuid.uuid4().hex
     env = {"ROLE_NAME": ns.role, "TORCHELASTIC_RUN_ID": run_id,
@@ -392,6 +512,16 @@ def plan(ns: argparse.Namespace) -> Plan:
     opts["extra_env"] = tuple(sorted(env.items()))
 
     redirects, tees = _streams(ns.redirects, "-r"), _streams(ns.tee, "-t")
+    # torchrun: a tee'd stream goes to the file and the console, whatever -r
+    # says of it; only the local ranks -r/-t name have log files
+    hidden, logged = {}, None
+    if redirects or tees:
+        def of(table: dict[int, set[str]], rank: int) -> set[str]:
+            return table.get(rank, table.get(-1, set()))
+
+        keys = set(redirects) | set(tees)
+        hidden = {k: of(redirects, k) - of(tees, k) for k in keys}
+        logged = {k: of(redirects, k) | of(tees, k) for k in keys}
     log_dir = ns.log_dir
     if (redirects or tees or ns.dup_stdout or ns.dup_stderr) and log_dir is None:
         import tempfile
@@ -407,7 +537,9 @@ def plan(ns: argparse.Namespace) -> Plan:
         console = {r: {"stdout", "stderr"} for r in shown}
     mode = "module" if ns.module else ("exec" if ns.no_python else "path")
     return Plan(mesh=opts, mode=mode, run_id=run_id, per_node=per_node or n or 1,
-                log_dir=log_dir, console=console, hidden=redirects,
+                stop_signals=stop_signals, shutdown_timeout=grace,
+                log_dir=log_dir, console=console, hidden=hidden, logged=logged,
+                role=ns.role, line_prefix=os.environ.get(ENV_LINE_PREFIX) or None,
                 dup_filters={"stdout": _filters(ns.dup_stdout),
                              "stderr": _filters(ns.dup_stderr)},
                 notes=notes)
@@ -418,6 +550,23 @@ def mesh_options(ns: argparse.Namespace) -> dict[str, Any]:
     return plan(ns).mesh
 
 
+def logged(p: Plan, local_rank: int) -> bool:
+    """Is this local rank's output saved under --log-dir?"""
+    if p.logged is None:
+        return True
+    return bool(p.logged.get(local_rank, p.logged.get(-1, set())))
+
+
+def line_prefix(p: Plan, rank: int, local_rank: int) -> str | None:
+    """torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE for one rank."""
+    if p.line_prefix is None:
+        return None
+    from string import Template
+
+    return Template(p.line_prefix).safe_substitute(role_name=p.role, rank=rank,
+                                                   local_rank=local_rank)
+
+
 def shown(p: Plan, local_rank: int, stream: str) -> bool:
     """Does this local rank's ``stream`` go to the console?"""
     if p.console is not None and stream not in p.console.get(local_rank, set()):
@@ -426,4 +575,5 @@ def shown(p: Plan, local_rank: int, stream: str) -> bool:
     return stream not in hidden
 
 
-__all__ = ["AFTER_SCRIPT", "Plan", "build_parser", "mesh_options", "parse", "plan", "shown"]
+__all__ = ["AFTER_SCRIPT", "Plan", "build_parser", "line_prefix", "logged", "mesh_options",
+           "parse", "pet_name", "plan", "shown", "torchrun_actions"]

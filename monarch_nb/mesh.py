@@ -23,6 +23,7 @@ import itertools
 import json
 import signal as signal_mod
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -343,10 +344,45 @@ class Mesh(_RankSet):
                 return mesh
         raise MeshNotRunning("no mesh is running; start one with %monarch start or Mesh.start()")
 
-    def stop(self) -> None:
-        """Stop every rank (killing stuck ones after a short grace)."""
+    def stop(self, grace: float | None = None, signal: str | int | None = None) -> None:
+        """Stop every rank (killing stuck ones after a short grace).
+
+        ``signal="TERM"`` first sends that signal to every rank (their own
+        handlers run: a checkpoint on preemption) and waits up to ``grace``
+        seconds (default 30, torchrun's) for the calls in flight to end
+        before stopping; a rank it kills is not respawned."""
+        if signal is not None and self.running:
+            self.signal_all(signal, stopping=True)
+            deadline = time.monotonic() + (30.0 if grace is None else grace)
+            ctl = self._ctl
+            while len(ctl.calls) and time.monotonic() < deadline:
+                ctl.pump(min(0.1, max(0.0, deadline - time.monotonic())))
         self._ctl.stop()
         _live_meshes.pop(self, None)
+
+    def signal_all(self, signal: str | int = "TERM", *, stopping: bool = False) -> list[int]:
+        """Send a signal to every live rank's process group, as torchrun
+        passes its own on (SLURM's ``--signal USR1``, a preemption's TERM):
+        the ranks' handlers run. ``stopping=True``: the mesh stops next, so a
+        rank the signal ends is not respawned and its calls fail at once.
+        The ranks it was sent to."""
+        sig = _signal(signal)
+        ctl = self._live()
+        done = threading.Event()
+        sent: list[int] = []
+
+        def send() -> None:  # on the thread that leads the I/O loop, like kill
+            try:
+                if stopping:
+                    ctl.recovery.stopped = True
+                sent.extend(ctl.supervisor.signal_all(sig))
+            finally:
+                done.set()
+
+        ctl.io.call_soon(send)
+        while not done.is_set():
+            ctl.pump(0.05)
+        return sent
 
     def __enter__(self) -> Mesh:
         return self

@@ -22,7 +22,7 @@ import pytest
 
 from monarch_nb import Mesh
 from monarch_nb.errors import RankErrors, RemoteError, UsageError
-from monarch_nb.launchopts import build_parser, parse, plan, shown
+from monarch_nb.launchopts import build_parser, line_prefix, logged, parse, plan, shown
 from monarch_nb.ui.labcomm import lab_front_end
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,6 +108,89 @@ def test_torchrun_flags_map_onto_the_mesh() -> None:
     assert red.log_dir is not None
     assert not shown(red, 0, "stdout") and shown(red, 0, "stderr")
     assert not shown(red, 1, "stderr") and not shown(red, 2, "stdout")
+
+
+def test_pet_variables_are_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun reads every flag it is not given from PET_<FLAG> (argparse_util.env)
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "2")
+    monkeypatch.setenv("PET_STANDALONE", "1")
+    monkeypatch.setenv("PET_DUPLICATE_STDOUT_FILTERS", "loss")
+    p = _plan("x.py")
+    assert (p.mesh["n"], p.mesh["restart_budget"]) == (3, 2)
+    assert p.dup_filters["stdout"] == ["loss"]
+    assert dict(p.mesh["extra_env"])["TORCHELASTIC_MAX_RESTARTS"] == "2"
+    assert _plan("--nproc-per-node", "1", "x.py").mesh["n"] == 1  # the command line wins
+    monkeypatch.setenv("PET_STANDALONE", "0")
+    assert not parse(build_parser(), ["x.py"]).standalone
+    monkeypatch.setenv("PET_STANDALONE", "yes")
+    with pytest.raises(SystemExit):
+        build_parser()
+
+
+def test_torchrun_prefixes_are_accepted() -> None:
+    # argparse's prefixes, as torchrun's parser takes them; the value is the flag's
+    ns = parse(build_parser(), ["--standal", "--max-restart", "2", "--redirect", "3",
+                                "--nproc-per", "2", "x.py", "--max-restart", "9"])
+    assert (ns.standalone, ns.max_restarts, ns.redirects, ns.nproc_per_node) == \
+        (True, 2, "3", "2")
+    assert ns.script == "x.py" and ns.args == ["--max-restart", "9"]  # the script's own
+
+
+def test_tee_wins_and_only_named_ranks_are_logged() -> None:
+    both = _plan("-r", "3", "-t", "3", "x.py")  # torchrun: to the files and the console
+    assert shown(both, 0, "stdout") and shown(both, 5, "stderr") and logged(both, 5)
+    part = _plan("-r", "3", "-t", "0:1", "x.py")
+    assert shown(part, 0, "stdout") and not shown(part, 0, "stderr")
+    assert not shown(part, 1, "stdout")
+    only0 = _plan("-r", "0:3", "x.py")
+    assert logged(only0, 0) and not logged(only0, 1) and shown(only0, 1, "stdout")
+    assert logged(_plan("--log-dir", "d", "x.py"), 3)  # --log-dir alone: every rank saved
+
+
+def test_torchrun_defaults_follow_torchrun_flags() -> None:
+    ours = _plan("x.py")  # no torchrun flag: monarch_nb's own defaults
+    assert ours.mesh["n"] is None and "restart_budget" not in ours.mesh
+    assert dict(ours.mesh["extra_env"])["TORCHELASTIC_MAX_RESTARTS"] == "5"
+    theirs = _plan("--standalone", "x.py")  # torchrun: 1 rank per node, no restart
+    assert (theirs.mesh["n"], theirs.mesh["restart_budget"]) == (1, 0)
+    assert dict(theirs.mesh["extra_env"])["TORCHELASTIC_MAX_RESTARTS"] == "0"
+    note = "\n".join(theirs.notes)
+    assert "torchrun's defaults apply" in note and "--standalone" in note
+    assert "--nproc-per-node 1" in note and "--max-restarts 0" in note
+    assert _plan("--standalone", "-n", "2", "x.py").mesh["n"] == 2
+
+
+def test_log_line_prefix_template(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert line_prefix(_plan("x.py"), 3, 1) is None
+    monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[${role_name}${rank}/${local_rank} $x]:")
+    p = _plan("--role", "trainer", "x.py")
+    assert line_prefix(p, 3, 1) == "[trainer3/1 $x]:"  # safe_substitute, as torchrun
+
+
+TORCHRUN_STYLE = """
+    import os, sys
+    print("out", os.environ["RANK"], os.environ["WORLD_SIZE"],
+          os.environ["TORCHELASTIC_MAX_RESTARTS"], flush=True)
+    print("err", os.environ["RANK"], file=sys.stderr, flush=True)
+"""
+
+
+def test_torchrun_style_launch_from_pet_variables(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(textwrap.dedent(TORCHRUN_STYLE))
+    res = _run([sys.executable, "-m", "monarch_nb.launch", "--backend", "cpu", "--standal",
+                "--max-restart", "1", "--redirect", "3", "--tee", "0:1", "--log-dir", "logs",
+                "--role", "trainer", "job.py"], tmp_path,
+               PET_NPROC_PER_NODE="2", PET_RUN_PATH="1",
+               TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="${role_name}-${rank}-${local_rank}> ")
+    assert res.returncode == 0, res.stderr
+    assert "trainer-0-0> out 0 2 1" in res.stdout  # local rank 0's stdout is tee'd
+    console = res.stdout + res.stderr
+    for hidden in ("out 1", "err 0", "err 1"):  # everything else goes to the files only
+        assert hidden not in console, console
+    logs = list((tmp_path / "logs").glob("*/rank*.log"))
+    assert sorted(p.name for p in logs) == ["rank0.log", "rank1.log"]
+    assert "err 1" in (logs[0].parent / "rank1.log").read_text()
 
 
 @pytest.mark.parametrize(("argv", "says"), [

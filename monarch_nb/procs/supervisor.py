@@ -325,6 +325,26 @@ class Supervisor:
         except ProcessLookupError:
             pass
 
+    def signal_all(self, sig: int) -> list[int]:
+        """Send ``sig`` to every live rank (a launcher forwarding SIGTERM,
+        SIGUSR1...): a local rank's whole process group, as torchrun does
+        (killpg), so a ``--no-python`` program or a DataLoader worker gets it
+        too; a remote rank's ssh/srun (srun passes it on). The ranks sent to."""
+        sent = []
+        for rank, proc in list(self.procs.items()):
+            if proc.popen.poll() is not None:
+                continue
+            proc.sent.append(sig)
+            if self.launcher.remote:
+                try:
+                    os.kill(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+            else:
+                kill_tree(proc.pid, sig)
+            sent.append(rank)
+        return sent
+
     def tail(self, rank: int, lines: int = 10, incarnation: int | None = None) -> list[str]:
         """Last ``lines`` lines of a rank's log (its current incarnation by default)."""
         procs = [p for p in self.history if p.rank == rank

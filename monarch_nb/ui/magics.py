@@ -27,7 +27,7 @@ HELP = """\
 %monarch start [-n N] [--backend auto|cuda|rocm|cpu] [--respawn rank|all|off]
                [--launcher local|ssh|slurm] [--hosts H1,H2] [--no-dashboard]
                [--hang-timeout SECONDS]
-%monarch stop | status | dashboard | help
+%monarch stop [--signal TERM] [--grace S] | status | dashboard | help
 %monarch push NAME [NAME ...] [--ranks SPEC]    send kernel variables to the ranks
 %monarch pull NAME [--ranks SPEC]               fetch a variable from the ranks
 %monarch kill RANK [--signal KILL|TERM|STOP|INT] fault injection
@@ -98,6 +98,13 @@ class _Parsers:
     @argument("rank", type=int)
     @argument("--signal", default="KILL", help="KILL, TERM, STOP, CONT or INT")
     def kill(self, line: str) -> None: ...
+
+    @magic_arguments()
+    @argument("--signal", default=None, help="first send it to every rank (TERM: their "
+                                              "checkpoint handlers run), then stop")
+    @argument("--grace", type=float, default=None,
+              help="with --signal: seconds the running cells may take to end (default 30)")
+    def stop(self, line: str) -> None: ...
 
     @magic_arguments()
     @argument("rank", type=int)
@@ -233,9 +240,10 @@ class MonarchMagics(Magics):
             display(mesh.dashboard())
 
     def _cmd_stop(self, rest: str) -> None:
+        args = _parse(_P.stop, rest)
         mesh = self._mesh()
         n = mesh.world_size
-        mesh.stop()
+        mesh.stop(grace=args.grace, signal=args.signal)
         self.mesh = None
         self.pending.clear()
         print(f"monarch_nb: stopped {n} ranks")
