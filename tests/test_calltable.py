@@ -333,7 +333,8 @@ def test_a_kill_during_re_formation_waits_out_the_backoff_and_calls_wait_too() -
     s = Story()
     s.die(1)  # first death: at once
     s.die(1)  # the new process dies before it is ready: backoff
-    assert s.policy.reform_pending() and s.rec.must_wait((0,))
+    assert s.ranks.reform_pending() and s.rec.must_wait((0,))
+    assert s.ranks.coming_back(1) and s.ranks[1].state == RankState.DEAD
     call = s.issue((0,))  # even a call to a survivor: its group is about to change
     assert not call.sent
     s.rec.tick(s.policy.next_deadline() or 0.0)

@@ -7,7 +7,8 @@ elastic tests its agent with scripted monitor results)::
 
     policy = RestartPolicy(world_size=4, mode="rank")
     policy.handle(Died(rank=1, now=10.0, cause="SIGKILL"))
-    # -> [Respawn(rank=1, at=10.0, incarnation=1), Reform(generation=1, ranks=(0, 1, 2, 3))]
+    # -> [Scheduled(rank=1, at=10.0), Respawn(rank=1, incarnation=1),
+    #     Reform(generation=1, ranks=(0, 1, 2, 3))]
 
 Per rank::
 
@@ -28,6 +29,10 @@ capped at ``cap``. Budget: at most ``budget`` respawns of a rank within
 ``window`` seconds; past it the rank is FAILED with a message that says why
 and what to do. A rank that stayed up for ``window`` seconds has a clean slate
 again, since its old deaths fall out of the window.
+
+Whether a rank is coming back is not asked of the policy: its actions
+(``Scheduled``, ``Respawn``, ``GiveUp``, ``Report``) move the rank table,
+which answers (:meth:`RankTable.coming_back`).
 
 Not here: *doing* any of it (controller/supervisor execute the actions).
 """
@@ -117,6 +122,15 @@ class Respawn:
 
 
 @dataclass(frozen=True)
+class Scheduled:
+    """``rank`` is dead and coming back: its respawn is due ``at`` (a
+    Respawn follows then). The rank table records it (calls wait for it)."""
+
+    rank: int
+    at: float
+
+
+@dataclass(frozen=True)
 class Kill:
     """Stop a live rank (mode ``all``: survivors are replaced too)."""
 
@@ -152,7 +166,7 @@ class ReplaceStuck:
     incarnation: int
 
 
-Action = Respawn | Kill | Reform | GiveUp | Report | ReplaceStuck
+Action = Scheduled | Respawn | Kill | Reform | GiveUp | Report | ReplaceStuck
 
 
 @dataclass
@@ -223,14 +237,14 @@ class RestartPolicy:
                 f"(last: {ev.cause}); not respawning it again. Fix the cause (see "
                 f"%monarch logs {ev.rank}), then %monarch restart {ev.rank}"))]
         r.phase = RankPhase.WAITING
-        r.respawn_at = ev.now + self._delay(len(r.deaths))
-        actions: list[Action] = []
+        r.respawn_at = at = ev.now + self._delay(len(r.deaths))
+        actions: list[Action] = [Scheduled(ev.rank, at)]
         if self.mode == "all":
             for other, o in enumerate(self.ranks):
                 if other != ev.rank and o.phase in (RankPhase.RUNNING, RankPhase.RESPAWNING):
                     o.phase = RankPhase.WAITING
-                    o.respawn_at = r.respawn_at
-                    actions.append(Kill(other))
+                    o.respawn_at = at
+                    actions += [Kill(other), Scheduled(other, at)]
         return actions + self._timer(ev.now)
 
     def _restart(self, ev: RestartRequested) -> list[Action]:
@@ -242,6 +256,7 @@ class RestartPolicy:
             r.deaths = []  # a deliberate restart is not a failure
             r.phase = RankPhase.WAITING
             r.respawn_at = ev.now
+            actions.append(Scheduled(rank, ev.now))
         return actions + self._timer(ev.now)
 
     def _host_lost(self, ev: HostLost) -> list[Action]:
@@ -294,18 +309,6 @@ class RestartPolicy:
         r.incarnation += 1
         r.phase = RankPhase.RESPAWNING
         return r.incarnation
-
-    def coming_back(self, rank: int) -> bool:
-        """Will ``rank`` have a new process without anyone asking? (Waiting
-        out its backoff or already respawning; not DEAD with respawn off, not
-        FAILED.) The one place this is decided: never re-derive it from the
-        respawn mode."""
-        return self.ranks[rank].phase in (RankPhase.WAITING, RankPhase.RESPAWNING)
-
-    def reform_pending(self) -> bool:
-        """A rank waits out its backoff: the group is about to be re-formed,
-        so a call sent to its members now would run on the old group."""
-        return any(r.phase == RankPhase.WAITING for r in self.ranks)
 
     def next_deadline(self) -> float | None:
         """When the controller should send the next Timer, if ever."""

@@ -61,9 +61,10 @@ from .policy import (
     Respawn,
     RestartPolicy,
     RestartRequested,
+    Scheduled,
     Timer,
 )
-from .rankstates import GONE, LIVE, WAIT_FOR, RankState
+from .rankstates import GONE, LIVE, RankState
 from .ranktable import RankInfo, RankTable, describe_exit, free_port, signal_name
 
 REFORM_GRACE_S = 3.0  # a member still in the old group's collective this long after the REFORM is probed
@@ -158,7 +159,7 @@ class Recovery:
         actions = self.policy.handle(Died(rank, time.monotonic(), cause, info.incarnation))
         self._announce(f"monarch_nb: {died.headline}")
         self.apply(actions)  # first: a GiveUp ends the calls with its own reason
-        self.calls.fail(rank, died, coming_back=self.policy.coming_back(rank))
+        self.calls.fail(rank, died, coming_back=self.ranks.coming_back(rank))
         self.keep_spare(time.monotonic())  # a backoff started: use the wait
 
     def on_ready(self, info: RankInfo, msg: Message) -> None:
@@ -248,15 +249,7 @@ class Recovery:
     def must_wait(self, ranks: tuple[int, ...]) -> bool:
         """A call to ``ranks`` must not be sent now: one of them is on its way
         back, or the group is about to be re-formed."""
-        if not self.started:
-            return False
-        if self.policy.reform_pending():
-            return True
-        for r in ranks:
-            state = self.ranks[r].state
-            if state in WAIT_FOR or (state == RankState.DEAD and self.policy.coming_back(r)):
-                return True
-        return False
+        return self.started and self.ranks.must_wait(ranks)
 
     def send_waiting(self) -> None:
         for call in self.calls.take_waiting():
@@ -280,6 +273,8 @@ class Recovery:
                 self._give_up(action)
             elif isinstance(action, Kill):
                 self._kill(action.rank)
+            elif isinstance(action, Scheduled):
+                self.ranks.schedule(action.rank)
             elif isinstance(action, Respawn):
                 self.ranks.move(action.rank, RankState.RESPAWNING)
                 self.ranks[action.rank].incarnation = action.incarnation
