@@ -211,6 +211,9 @@ class _Supervisor:
         self.started.append((rank, incarnation))
         return proc
 
+    def reform(self, generation: int, master_port: int) -> None:
+        self.generation, self.master_port = generation, master_port
+
     def reap(self, rank: int, proc: Any = None) -> int | None:
         return (proc or self.procs[rank]).popen.code
 
@@ -326,7 +329,8 @@ def test_two_deaths_at_once_respawn_both_into_one_new_generation() -> None:
     s.ready(1)
     assert not call.sent
     s.ready(2)
-    assert call.sent and s.rec.generation == 2
+    assert call.sent and s.rec.generation == 2 == s.policy.generation == s.sup.generation
+    assert s.ranks[1].incarnation == s.ranks[2].incarnation == 1
 
 
 def test_a_kill_during_re_formation_waits_out_the_backoff_and_calls_wait_too() -> None:

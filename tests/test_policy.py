@@ -7,6 +7,7 @@ import random
 import pytest
 
 from monarch_nb.controller.life.policy import (
+    SPARE_DELAY_S,
     Action,
     Died,
     GiveUp,
@@ -22,6 +23,8 @@ from monarch_nb.controller.life.policy import (
     RestartPolicy,
     RestartRequested,
     Scheduled,
+    SpareCheck,
+    StartSpare,
     Timer,
 )
 from monarch_nb.controller.life.rankstates import IllegalTransition, RankState
@@ -267,3 +270,25 @@ def test_policy_actions_drive_the_rank_tables_answer() -> None:
                     t.move(r, RankState.READY)
                     p.handle(Ready(r, now=now + 5.0))
             assert not t.coming_back(0) and not t.reform_pending()
+
+
+def test_a_respawn_moves_the_rank_and_its_incarnation_only_forward() -> None:
+    t = RankTable(1)
+    t.move(0, RankState.READY)
+    t.move(0, RankState.DEAD)
+    t.respawning(0, 1)
+    assert t[0].state == RankState.RESPAWNING and t[0].incarnation == 1
+    with pytest.raises(ValueError):
+        t.respawning(0, 1)  # a second Respawn to the same incarnation is a bug
+
+
+def test_a_spare_is_started_once_settled_or_at_once_during_a_backoff() -> None:
+    p = RestartPolicy(world_size=2, base=1.0)
+    assert p.handle(SpareCheck(now=0.5, settled_for=0.5, all_live=True)) == []  # start-up
+    assert p.handle(SpareCheck(now=5.0, settled_for=SPARE_DELAY_S, all_live=False)) == []
+    assert p.handle(SpareCheck(now=5.0, settled_for=SPARE_DELAY_S, all_live=True)) == [StartSpare()]
+    p.handle(Died(0, now=10.0))  # first death: respawned at once, no backoff
+    p.handle(Died(0, now=10.1))  # its new process died too: a backoff starts
+    assert p.next_deadline() is not None
+    # the wait is idle time: a spare now, settled or not
+    assert p.handle(SpareCheck(now=10.1, settled_for=0.0, all_live=False)) == [StartSpare()]

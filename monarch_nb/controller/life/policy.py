@@ -21,6 +21,10 @@ Per rank::
     RUNNING --Probed(in_collective)--> RESPAWNING (ReplaceStuck: a new incarnation)
     FAILED / LOST / DEAD --RestartRequested--> WAITING
 
+Mesh-wide: ``SpareCheck`` -> ``StartSpare`` while a rank waits out its
+backoff, or once the mesh has been settled ``SPARE_DELAY_S`` with every rank
+live.
+
 Modes: ``rank`` replaces only the dead rank; ``all`` replaces every rank
 (the survivors are restarted too, torchrun-style); ``off`` reports and keeps
 the survivors. Backoff: the first respawn of a rank is immediate (a training
@@ -42,6 +46,8 @@ from __future__ import annotations
 import enum
 import random
 from dataclasses import dataclass, field
+
+SPARE_DELAY_S = 2.0  # settled this long before a spare process is started
 
 
 class RankPhase(str, enum.Enum):
@@ -108,7 +114,18 @@ class Probed:
     now: float
 
 
-Stimulus = Died | Ready | RestartRequested | Timer | HostLost | Probed
+@dataclass(frozen=True)
+class SpareCheck:
+    """May a spare process be started now? The mesh has had no start,
+    death or respawn for ``settled_for`` seconds; ``all_live``: every rank
+    takes calls. Sent only while spares are on and none is held."""
+
+    now: float
+    settled_for: float
+    all_live: bool
+
+
+Stimulus = Died | Ready | RestartRequested | Timer | HostLost | Probed | SpareCheck
 
 
 # -- actions -----------------------------------------------------------------
@@ -166,7 +183,12 @@ class ReplaceStuck:
     incarnation: int
 
 
-Action = Scheduled | Respawn | Kill | Reform | GiveUp | Report | ReplaceStuck
+@dataclass(frozen=True)
+class StartSpare:
+    """Start a spare process (torch imported, waiting to become a rank)."""
+
+
+Action = Scheduled | Respawn | Kill | Reform | GiveUp | Report | ReplaceStuck | StartSpare
 
 
 @dataclass
@@ -216,6 +238,8 @@ class RestartPolicy:
             if not event.in_collective or r.phase != RankPhase.RUNNING:
                 return []  # computing: looked at again later
             return [ReplaceStuck(event.rank, self.replace(event.rank))]
+        if isinstance(event, SpareCheck):
+            return [StartSpare()] if self._spare_due(event) else []
         return self._timer(event.now)
 
     # -- transitions -----------------------------------------------------------
@@ -315,6 +339,14 @@ class RestartPolicy:
         times = [r.respawn_at for r in self.ranks
                  if r.phase == RankPhase.WAITING and r.respawn_at is not None]
         return min(times) if times else None
+
+    def _spare_due(self, ev: SpareCheck) -> bool:
+        # Not during start-up or a recovery, whose CPU it would slow; but at
+        # once while a dead rank waits out its backoff: that wait is idle
+        # time, and the spare, however far it got, becomes that rank.
+        if self.next_deadline() is not None:
+            return True
+        return ev.settled_for >= SPARE_DELAY_S and ev.all_live
 
     def _delay(self, deaths_in_window: int) -> float:
         if deaths_in_window <= 1:

@@ -112,6 +112,15 @@ class RankTable:
         """No process, and none coming unless the user restarts it."""
         return self._ranks[rank].state in GONE and not self.coming_back(rank)
 
+    def respawning(self, rank: int, incarnation: int) -> None:
+        """The policy's Respawn: ``rank`` gets a new process, ``incarnation``
+        (started at the re-formation that follows)."""
+        info = self._ranks[rank]
+        if incarnation <= info.incarnation:
+            raise ValueError(f"rank {rank}: incarnation {incarnation} after {info.incarnation}")
+        self.move(rank, RankState.RESPAWNING)
+        info.incarnation = incarnation
+
     def bind(self, rank: int, incarnation: int) -> RankInfo:
         """A new process for ``rank``: fresh socket identities (the old
         ones' stragglers are ignored from now on) and a clean record."""
