@@ -154,9 +154,12 @@ def test_every_move_outside_the_transition_table_is_refused() -> None:
         for to in RankState:
             table = RankTable(1)
             table[0].state = frm  # set up the start state (the test's own business)
+            table[0].comes_back = True
             if to is frm or to in allowed:
                 table.move(0, to)
                 assert table[0].state is to
+                # a scheduled respawn does not outlive a move
+                assert table[0].comes_back is (to is frm)
             else:
                 with pytest.raises(IllegalTransition):
                     table.move(0, to)

@@ -15,6 +15,7 @@ table of allowed moves, and the diagram that the table makes true.
        +--Respawn-------+--GiveUp--> FAILED --restart--> RESPAWNING
     (any) --stop--> STOPPED  (final)
     READY/BUSY/RESPAWNING --kill requested by us--> DYING --exit--> DEAD
+    DEAD/FAILED --Scheduled--> same state, ``comes_back`` set (the next move clears it)
 
 ``DYING``: we sent a KILL or TERM (``mesh.kill``, ``%monarch kill``, chaos)
 and have not seen the exit yet; calls to it wait, as for a rank on its way
