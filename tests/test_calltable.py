@@ -154,9 +154,12 @@ def test_every_move_outside_the_transition_table_is_refused() -> None:
         for to in RankState:
             table = RankTable(1)
             table[0].state = frm  # set up the start state (the test's own business)
+            table[0].comes_back = True
             if to is frm or to in allowed:
                 table.move(0, to)
                 assert table[0].state is to
+                # a scheduled respawn does not outlive a move
+                assert table[0].comes_back is (to is frm)
             else:
                 with pytest.raises(IllegalTransition):
                     table.move(0, to)
@@ -210,6 +213,9 @@ class _Supervisor:
         self.procs[rank] = proc
         self.started.append((rank, incarnation))
         return proc
+
+    def reform(self, generation: int, master_port: int) -> None:
+        self.generation, self.master_port = generation, master_port
 
     def reap(self, rank: int, proc: Any = None) -> int | None:
         return (proc or self.procs[rank]).popen.code
@@ -326,14 +332,16 @@ def test_two_deaths_at_once_respawn_both_into_one_new_generation() -> None:
     s.ready(1)
     assert not call.sent
     s.ready(2)
-    assert call.sent and s.rec.generation == 2
+    assert call.sent and s.rec.generation == 2 == s.policy.generation == s.sup.generation
+    assert s.ranks[1].incarnation == s.ranks[2].incarnation == 1
 
 
 def test_a_kill_during_re_formation_waits_out_the_backoff_and_calls_wait_too() -> None:
     s = Story()
     s.die(1)  # first death: at once
     s.die(1)  # the new process dies before it is ready: backoff
-    assert s.policy.reform_pending() and s.rec.must_wait((0,))
+    assert s.ranks.reform_pending() and s.rec.must_wait((0,))
+    assert s.ranks.coming_back(1) and s.ranks[1].state == RankState.DEAD
     call = s.issue((0,))  # even a call to a survivor: its group is about to change
     assert not call.sent
     s.rec.tick(s.policy.next_deadline() or 0.0)

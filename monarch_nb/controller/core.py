@@ -58,7 +58,7 @@ from .calls.output import CallOutput
 from .inspector import Inspector
 from .life.events import Event, EventKind
 from .life.policy import RestartPolicy
-from .life.rankstates import GONE, LIVE, ON_ITS_WAY, WAIT_FOR, RankState
+from .life.rankstates import GONE, LIVE, ON_ITS_WAY, RankState
 from .life.ranktable import RankInfo, RankTable, describe_exit, free_port
 from .life.recovery import Recovery
 from .metricstore import MetricsStore
@@ -401,9 +401,9 @@ class Controller:
 
     def _recovering(self, rank: int) -> bool:
         """``rank`` is being brought back (the hang watchdog waits meanwhile)."""
-        state = self.ranks[rank].state
-        return (state in WAIT_FOR or state == RankState.DEAD
-                or rank in self.recovery.awaiting_reform or self.recovery.policy.reform_pending())
+        # DEAD: the moment before the policy's answer, or its calls are failed anyway
+        return (self.ranks.coming_back(rank) or self.ranks[rank].state == RankState.DEAD
+                or rank in self.recovery.awaiting_reform or self.ranks.reform_pending())
 
     def _announce(self, line: str) -> None:
         # once per cell (a re-issued elastic call shares its cell's output),

@@ -101,6 +101,12 @@ class Supervisor:
     def __post_init__(self) -> None:
         os.chmod(self.log_dir, 0o700)
 
+    def reform(self, generation: int, master_port: int) -> None:
+        """The group that processes started from now on join: its
+        generation and its store's port (the controller's recovery decides
+        both; only this method changes them)."""
+        self.generation, self.master_port = generation, master_port
+
     def env_for(self, rank: int, incarnation: int, identity: str) -> dict[str, str]:
         env = dict(os.environ)
         for var in (config.ENV_KEY_FILE,):

@@ -164,12 +164,11 @@ class Caller:
     def refuse_dead(self, ranks: tuple[int, ...]) -> None:
         """A call to a rank that is gone for good is a usage error (raised
         on the caller's thread). Whether a dead rank comes back is the
-        policy's answer."""
-        policy = self.recovery.policy
+        rank table's answer."""
         for r in ranks:
             info = self.ranks[r]
             state = info.state
-            if state in GONE and not (state == RankState.DEAD and policy.coming_back(r)):
+            if self.ranks.gone_for_good(r):
                 why = ("its restart budget is spent" if state == RankState.FAILED
                        else "the mesh was stopped" if state == RankState.STOPPED
                        else describe_exit(info.exitcode))

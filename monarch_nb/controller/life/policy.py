@@ -7,7 +7,8 @@ elastic tests its agent with scripted monitor results)::
 
     policy = RestartPolicy(world_size=4, mode="rank")
     policy.handle(Died(rank=1, now=10.0, cause="SIGKILL"))
-    # -> [Respawn(rank=1, at=10.0, incarnation=1), Reform(generation=1, ranks=(0, 1, 2, 3))]
+    # -> [Scheduled(rank=1, at=10.0), Respawn(rank=1, incarnation=1),
+    #     Reform(generation=1, ranks=(0, 1, 2, 3))]
 
 Per rank::
 
@@ -20,6 +21,10 @@ Per rank::
     RUNNING --Probed(in_collective)--> RESPAWNING (ReplaceStuck: a new incarnation)
     FAILED / LOST / DEAD --RestartRequested--> WAITING
 
+Mesh-wide: ``SpareCheck`` -> ``StartSpare`` while a rank waits out its
+backoff, or once the mesh has been settled ``SPARE_DELAY_S`` with every rank
+live.
+
 Modes: ``rank`` replaces only the dead rank; ``all`` replaces every rank
 (the survivors are restarted too, torchrun-style); ``off`` reports and keeps
 the survivors. Backoff: the first respawn of a rank is immediate (a training
@@ -29,6 +34,10 @@ capped at ``cap``. Budget: at most ``budget`` respawns of a rank within
 and what to do. A rank that stayed up for ``window`` seconds has a clean slate
 again, since its old deaths fall out of the window.
 
+Whether a rank is coming back is not asked of the policy: its actions
+(``Scheduled``, ``Respawn``, ``GiveUp``, ``Report``) move the rank table,
+which answers (:meth:`RankTable.coming_back`).
+
 Not here: *doing* any of it (controller/supervisor execute the actions).
 """
 
@@ -37,6 +46,8 @@ from __future__ import annotations
 import enum
 import random
 from dataclasses import dataclass, field
+
+SPARE_DELAY_S = 2.0  # settled this long before a spare process is started
 
 
 class RankPhase(str, enum.Enum):
@@ -103,7 +114,18 @@ class Probed:
     now: float
 
 
-Stimulus = Died | Ready | RestartRequested | Timer | HostLost | Probed
+@dataclass(frozen=True)
+class SpareCheck:
+    """May a spare process be started now? The mesh has had no start,
+    death or respawn for ``settled_for`` seconds; ``all_live``: every rank
+    takes calls. Sent only while spares are on and none is held."""
+
+    now: float
+    settled_for: float
+    all_live: bool
+
+
+Stimulus = Died | Ready | RestartRequested | Timer | HostLost | Probed | SpareCheck
 
 
 # -- actions -----------------------------------------------------------------
@@ -114,6 +136,15 @@ class Respawn:
     rank: int
     incarnation: int
     host: str = ""  # where ("": where it was)
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """``rank`` is dead and coming back: its respawn is due ``at`` (a
+    Respawn follows then). The rank table records it (calls wait for it)."""
+
+    rank: int
+    at: float
 
 
 @dataclass(frozen=True)
@@ -152,7 +183,12 @@ class ReplaceStuck:
     incarnation: int
 
 
-Action = Respawn | Kill | Reform | GiveUp | Report | ReplaceStuck
+@dataclass(frozen=True)
+class StartSpare:
+    """Start a spare process (torch imported, waiting to become a rank)."""
+
+
+Action = Scheduled | Respawn | Kill | Reform | GiveUp | Report | ReplaceStuck | StartSpare
 
 
 @dataclass
@@ -202,6 +238,8 @@ class RestartPolicy:
             if not event.in_collective or r.phase != RankPhase.RUNNING:
                 return []  # computing: looked at again later
             return [ReplaceStuck(event.rank, self.replace(event.rank))]
+        if isinstance(event, SpareCheck):
+            return [StartSpare()] if self._spare_due(event) else []
         return self._timer(event.now)
 
     # -- transitions -----------------------------------------------------------
@@ -223,14 +261,14 @@ class RestartPolicy:
                 f"(last: {ev.cause}); not respawning it again. Fix the cause (see "
                 f"%monarch logs {ev.rank}), then %monarch restart {ev.rank}"))]
         r.phase = RankPhase.WAITING
-        r.respawn_at = ev.now + self._delay(len(r.deaths))
-        actions: list[Action] = []
+        r.respawn_at = at = ev.now + self._delay(len(r.deaths))
+        actions: list[Action] = [Scheduled(ev.rank, at)]
         if self.mode == "all":
             for other, o in enumerate(self.ranks):
                 if other != ev.rank and o.phase in (RankPhase.RUNNING, RankPhase.RESPAWNING):
                     o.phase = RankPhase.WAITING
-                    o.respawn_at = r.respawn_at
-                    actions.append(Kill(other))
+                    o.respawn_at = at
+                    actions += [Kill(other), Scheduled(other, at)]
         return actions + self._timer(ev.now)
 
     def _restart(self, ev: RestartRequested) -> list[Action]:
@@ -242,6 +280,7 @@ class RestartPolicy:
             r.deaths = []  # a deliberate restart is not a failure
             r.phase = RankPhase.WAITING
             r.respawn_at = ev.now
+            actions.append(Scheduled(rank, ev.now))
         return actions + self._timer(ev.now)
 
     def _host_lost(self, ev: HostLost) -> list[Action]:
@@ -295,23 +334,19 @@ class RestartPolicy:
         r.phase = RankPhase.RESPAWNING
         return r.incarnation
 
-    def coming_back(self, rank: int) -> bool:
-        """Will ``rank`` have a new process without anyone asking? (Waiting
-        out its backoff or already respawning; not DEAD with respawn off, not
-        FAILED.) The one place this is decided: never re-derive it from the
-        respawn mode."""
-        return self.ranks[rank].phase in (RankPhase.WAITING, RankPhase.RESPAWNING)
-
-    def reform_pending(self) -> bool:
-        """A rank waits out its backoff: the group is about to be re-formed,
-        so a call sent to its members now would run on the old group."""
-        return any(r.phase == RankPhase.WAITING for r in self.ranks)
-
     def next_deadline(self) -> float | None:
         """When the controller should send the next Timer, if ever."""
         times = [r.respawn_at for r in self.ranks
                  if r.phase == RankPhase.WAITING and r.respawn_at is not None]
         return min(times) if times else None
+
+    def _spare_due(self, ev: SpareCheck) -> bool:
+        # Not during start-up or a recovery, whose CPU it would slow; but at
+        # once while a dead rank waits out its backoff: that wait is idle
+        # time, and the spare, however far it got, becomes that rank.
+        if self.next_deadline() is not None:
+            return True
+        return ev.settled_for >= SPARE_DELAY_S and ev.all_live
 
     def _delay(self, deaths_in_window: int) -> float:
         if deaths_in_window <= 1:

@@ -15,6 +15,7 @@ table of allowed moves, and the diagram that the table makes true.
        +--Respawn-------+--GiveUp--> FAILED --restart--> RESPAWNING
     (any) --stop--> STOPPED  (final)
     READY/BUSY/RESPAWNING --kill requested by us--> DYING --exit--> DEAD
+    DEAD/FAILED --Scheduled--> same state, ``comes_back`` set (the next move clears it)
 
 ``DYING``: we sent a KILL or TERM (``mesh.kill``, ``%monarch kill``, chaos)
 and have not seen the exit yet; calls to it wait, as for a rank on its way
@@ -22,8 +23,11 @@ back, and run on the group re-formed after its respawn.
 
 ``STARTING`` is a rank's first process; ``RESPAWNING`` any later one, on
 its way until it says READY (calls to it wait). ``DEAD`` is the moment
-between an exit and the policy's answer, or final with respawn off (the
-policy, not the state, says which: :meth:`RestartPolicy.coming_back`).
+between an exit and the policy's answer, a rank waiting out its respawn
+backoff (the policy's :class:`~.policy.Scheduled`, recorded on the record
+as ``comes_back``), or final with respawn off. Whether a rank is coming
+back, and whether a call must wait for it, is answered in one place:
+:meth:`RankTable.coming_back` / :meth:`RankTable.must_wait` (ranktable.py).
 ``FAILED``: the restart budget is spent; only a user's restart revives it.
 
 Only :meth:`RankTable.move` changes a state, and it refuses a move that is

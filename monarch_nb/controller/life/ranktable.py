@@ -24,7 +24,7 @@ from typing import Any
 
 from ...errors import no_free_port
 from .events import Event, EventKind
-from .rankstates import LIVE, RankState, check
+from .rankstates import GONE, LIVE, WAIT_FOR, RankState, check
 
 
 @dataclass
@@ -33,6 +33,9 @@ class RankInfo:
     incarnation: int = 0
     token: str = ""  # random part of the socket identities of this incarnation
     state: RankState = RankState.STARTING  # changed only by RankTable.move
+    # its respawn is scheduled (the policy's Scheduled): GONE now, back after a
+    # backoff. Set by RankTable.schedule, cleared by every move.
+    comes_back: bool = False
     pid: int | None = None
     device: str = ""
     host: str = ""
@@ -76,6 +79,47 @@ class RankTable:
         if info.state is not to:
             check(rank, info.state, to)
             info.state = to
+            info.comes_back = False
+
+    def schedule(self, rank: int) -> None:
+        """The policy scheduled ``rank``'s respawn (it waits out a backoff):
+        it stays DEAD (or FAILED, for a user's restart) until its Respawn, but
+        it is coming back."""
+        info = self._ranks[rank]
+        if info.state in (RankState.DEAD, RankState.FAILED):
+            info.comes_back = True
+
+    # -- the one answer to "is it coming back?" --------------------------------------
+    def coming_back(self, rank: int) -> bool:
+        """Will ``rank`` have a process that takes calls without anyone
+        asking? Its process is on its way (STARTING, RESPAWNING), on its way
+        out at our request (DYING: it is respawned), or its respawn is
+        scheduled. Not: live, stopped, failed, or dead with respawn off."""
+        info = self._ranks[rank]
+        return info.state in WAIT_FOR or info.comes_back
+
+    def reform_pending(self) -> bool:
+        """A rank waits out its backoff: the group is about to be re-formed,
+        so a call sent to its members now would run on the old group."""
+        return any(info.comes_back for info in self._ranks)
+
+    def must_wait(self, ranks: tuple[int, ...]) -> bool:
+        """A call to ``ranks`` must not be sent now: one of them is coming
+        back, or the group is about to be re-formed."""
+        return self.reform_pending() or any(self.coming_back(r) for r in ranks)
+
+    def gone_for_good(self, rank: int) -> bool:
+        """No process, and none coming unless the user restarts it."""
+        return self._ranks[rank].state in GONE and not self.coming_back(rank)
+
+    def respawning(self, rank: int, incarnation: int) -> None:
+        """The policy's Respawn: ``rank`` gets a new process, ``incarnation``
+        (started at the re-formation that follows)."""
+        info = self._ranks[rank]
+        if incarnation <= info.incarnation:
+            raise ValueError(f"rank {rank}: incarnation {incarnation} after {info.incarnation}")
+        self.move(rank, RankState.RESPAWNING)
+        info.incarnation = incarnation
 
     def bind(self, rank: int, incarnation: int) -> RankInfo:
         """A new process for ``rank``: fresh socket identities (the old

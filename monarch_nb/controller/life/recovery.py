@@ -23,8 +23,11 @@ A rank whose budget is spent (GiveUp) ends the calls that wait for it: an
 elastic call cannot finish without it, so its survivors are interrupted and
 the call fails at once with the reason and what to do.
 
-State owned here: the generation, the members awaiting a re-formation, the
-time the mesh last settled. Runs on the thread that leads the I/O loop.
+State owned here: the members awaiting a re-formation, the time the mesh
+last settled. Not here: the generation (the policy's, which decides it;
+:attr:`generation` reads it), a rank's state and incarnation (the rank
+table's, changed through its methods), the group new processes join (the
+supervisor's, set by :meth:`Supervisor.reform`). Runs on the thread that leads the I/O loop.
 
 Non-goals: deciding (policy.py), messages (core.py), calls (calltable.py).
 """
@@ -61,13 +64,15 @@ from .policy import (
     Respawn,
     RestartPolicy,
     RestartRequested,
+    Scheduled,
+    SpareCheck,
+    StartSpare,
     Timer,
 )
-from .rankstates import GONE, LIVE, WAIT_FOR, RankState
+from .rankstates import GONE, LIVE, RankState
 from .ranktable import RankInfo, RankTable, describe_exit, free_port, signal_name
 
 REFORM_GRACE_S = 3.0  # a member still in the old group's collective this long after the REFORM is probed
-SPARE_DELAY_S = 2.0  # settled this long before a spare process is started
 
 
 class Recovery:
@@ -89,7 +94,6 @@ class Recovery:
         self._dispatch = dispatch
         self._default_output = default_output
         self._notify = notify  # a rank's state changed (Controller.start waits on it)
-        self.generation = 0
         self.started = False  # the first start is over (later READYs are respawns)
         self.stopped = False
         self.awaiting_reform: dict[int, float] = {}  # member -> when to look where it is
@@ -97,6 +101,11 @@ class Recovery:
         self.lost: set[int] = set()  # the ranks whose new processes the last re-formation awaits
         self.requested: set[int] = set()  # restarted by the user: their return is no news
         self.settled_at = time.monotonic()  # last start, death or respawn
+
+    @property
+    def generation(self) -> int:
+        """The group's generation: the policy's (it decides each Reform)."""
+        return self.policy.generation
 
     # -- processes ----------------------------------------------------------------
     def start_process(self, rank: int, incarnation: int) -> None:
@@ -158,7 +167,7 @@ class Recovery:
         actions = self.policy.handle(Died(rank, time.monotonic(), cause, info.incarnation))
         self._announce(f"monarch_nb: {died.headline}")
         self.apply(actions)  # first: a GiveUp ends the calls with its own reason
-        self.calls.fail(rank, died, coming_back=self.policy.coming_back(rank))
+        self.calls.fail(rank, died, coming_back=self.ranks.coming_back(rank))
         self.keep_spare(time.monotonic())  # a backoff started: use the wait
 
     def on_ready(self, info: RankInfo, msg: Message) -> None:
@@ -248,15 +257,7 @@ class Recovery:
     def must_wait(self, ranks: tuple[int, ...]) -> bool:
         """A call to ``ranks`` must not be sent now: one of them is on its way
         back, or the group is about to be re-formed."""
-        if not self.started:
-            return False
-        if self.policy.reform_pending():
-            return True
-        for r in ranks:
-            state = self.ranks[r].state
-            if state in WAIT_FOR or (state == RankState.DEAD and self.policy.coming_back(r)):
-                return True
-        return False
+        return self.started and self.ranks.must_wait(ranks)
 
     def send_waiting(self) -> None:
         for call in self.calls.take_waiting():
@@ -280,13 +281,16 @@ class Recovery:
                 self._give_up(action)
             elif isinstance(action, Kill):
                 self._kill(action.rank)
+            elif isinstance(action, Scheduled):
+                self.ranks.schedule(action.rank)
             elif isinstance(action, Respawn):
-                self.ranks.move(action.rank, RankState.RESPAWNING)
-                self.ranks[action.rank].incarnation = action.incarnation
+                self.ranks.respawning(action.rank, action.incarnation)
             elif isinstance(action, Reform):
                 self._reform(action)
             elif isinstance(action, ReplaceStuck):
                 self.replace_stuck(action.rank, action.incarnation)
+            elif isinstance(action, StartSpare):
+                self.supervisor.start_spare()
 
     def _kill(self, rank: int) -> None:
         """Mode ``all`` or a user's restart: the live process goes now; its
@@ -326,10 +330,8 @@ class Recovery:
     def _reform(self, action: Reform) -> None:
         """New generation: fresh store port; respawning members start with
         it, live members are told to leave their group and join it."""
-        self.generation = action.generation
         port = free_port()
-        self.supervisor.master_port = port
-        self.supervisor.generation = action.generation
+        self.supervisor.reform(action.generation, port)
         frames = self.codec.sign(Kind.REFORM, meta={"generation": action.generation, "port": port})
         self.reform_frames = frames  # sent again to members slow to answer (tick)
         now = time.monotonic()
@@ -402,15 +404,10 @@ class Recovery:
         self._announce(f"monarch_nb: replaying setup cell {name} on rank {rank} failed: {reason}")
 
     def keep_spare(self, now: float) -> None:
-        """Start a spare process once the mesh has been settled for a while
-        (not during start-up or a recovery, whose CPU it would slow), or at
-        once while a dead rank waits out its respawn backoff: that wait is
-        idle time, and the spare, however far it got, becomes that rank."""
+        """Hold a spare process when the policy says so (SpareCheck)."""
         sup = self.supervisor
         sup.forget_dead_spare()  # a spare that died (out of memory?): another one later
         if not (self.cfg.spare and self.started and not self.stopped and sup.spare is None):
             return
-        if self.policy.next_deadline() is not None or (
-                now - self.settled_at >= SPARE_DELAY_S
-                and all(r.state in LIVE for r in self.ranks)):
-            sup.start_spare()
+        self.apply(self.policy.handle(SpareCheck(now, now - self.settled_at,
+                                                 all(r.state in LIVE for r in self.ranks))))
