@@ -238,6 +238,11 @@ def crash_stack(log_tail: Sequence[str]) -> list[str]:
     return out
 
 
+def is_native_dump(line: str) -> bool:
+    """Does ``line`` start c10's dump of a thread's native stack?"""
+    return bool(_NATIVE_HEAD.match(line.strip()))
+
+
 def _native_frames(lines: Sequence[str]) -> list[str]:
     """The crashing thread's native frames, innermost first, without the
     signal handlers' own: c10 dumps every thread, and only the crashing one
@@ -366,6 +371,6 @@ def _at(frame: tuple[str, int, str]) -> str:
     return at if func == "<module>" else f"{func} ({at})"
 
 
-__all__ = ["explain", "flight_hint", "peers_hint", "STRICT_HINT", "crash_hint", "crash_stack", "is_crash", "oom_hint", "exception_hint", "timeout_hint",
+__all__ = ["explain", "is_native_dump", "flight_hint", "peers_hint", "STRICT_HINT", "crash_hint", "crash_stack", "is_crash", "oom_hint", "exception_hint", "timeout_hint",
            "HIGH_RSS_FRACTION",
            "NEAR_LIMIT_FRACTION"]
