@@ -37,6 +37,7 @@ from .selection import format_ranks
 
 RING_SIZE = 2000  # records each rank keeps (the newest)
 IN_FLIGHT, DONE, FAILED, ISSUED = "in flight", "done", "failed", "issued"
+DIED = "died in it"  # a dead incarnation's record that was in flight when it died
 P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
 DEFAULT_GROUP = "0"  # torch's name of the default (WORLD) group
 INSIDE_TORCH = "<inside torch>"  # the ``file`` of a record from torch's own recorder
@@ -281,5 +282,23 @@ def read_persisted(path: str, *, remove: bool = True) -> tuple[dict[str, Any], l
     return call, records
 
 
-__all__ = ["OpRecord", "encode", "decode", "persist_path", "read_persisted", "PERSIST_ENV", "from_torch", "current_torch_entries", "INSIDE_TORCH", "mismatch_text", "group_label", "label",
+def dead_tail(call: dict[str, Any], records: list[OpRecord], incarnation: int,
+              died_at: float | None) -> dict[str, Any]:
+    """A dead incarnation's persisted records as a recorder tail (the wire
+    form controller/analysis reads, ``dead`` set to its incarnation): what
+    was in flight is :data:`DIED`, ending at ``died_at`` (wall clock; the
+    newest record's start when unknown); the call it ran, when it ran one,
+    is its one call."""
+    starts = [r.t0 for r in records] + [float(call.get("t0") or 0.0)]
+    end = died_at if died_at is not None else max(starts)
+    ops = [encode(r if r.state != IN_FLIGHT else OpRecord(**{
+        **{f: getattr(r, f) for f in _FIELDS}, "state": DIED})) for r in records]
+    calls: list[list[Any]] = []
+    if isinstance(call.get("call"), int) and isinstance(call.get("t0"), (int, float)):
+        calls.append([call["call"], str(call.get("name") or "call"), float(call["t0"]), end, "died"])
+    return {"ops": ops, "calls": calls, "groups": {}, "total": len(records), "now": end,
+            "generation": max((r.generation for r in records), default=0), "dead": incarnation}
+
+
+__all__ = ["OpRecord", "encode", "decode", "persist_path", "read_persisted", "dead_tail", "DIED", "PERSIST_ENV", "from_torch", "current_torch_entries", "INSIDE_TORCH", "mismatch_text", "group_label", "label",
            "IN_FLIGHT", "DONE", "FAILED", "ISSUED", "P2P_OPS", "DEFAULT_GROUP"]

@@ -41,13 +41,14 @@ from .controller.analysis.collectives import (
 from .controller.analysis.collectives import stragglers as find_stragglers
 from .controller.calls.output import CallOutput
 from .controller.core import Controller, Event, RankInfo, RankState
-from .controller.inspector import STACKS_TIMEOUT_S, collective_report
+from .controller.inspector import STACKS_TIMEOUT_S, collective_report, death_report
 from .controller.metricstore import MetricsStore, health_fields
 from .engine.debug import post_mortem as _post_mortem
 from .errors import (
     CallTimeout,
     MeshNotRunning,
     MonarchError,
+    RankDied,
     RankErrors,
     RemoteError,
     UsageError,
@@ -530,12 +531,19 @@ class Mesh(_RankSet):
     def debug(self, rank: int) -> None:
         """Post-mortem pdb on ``rank``'s last failed call, driven from here:
         each debugger prompt is asked with ``input()`` (the notebook's input
-        box). ``q`` or ``c`` leaves; the rank stays usable."""
+        box). ``q`` or ``c`` leaves; the rank stays usable. A rank that
+        died of a signal since its last failed call (no interpreter left for
+        pdb) gets its death report instead (inspector.death_report)."""
         (r,) = parse_ranks(rank, self.world_size)
         try:
             self._call(Kind.CALL, (r,), _call_payload(_post_mortem, (), {}), None, None)
-        except RankErrors as exc:
-            err = exc.errors.get(r)
+        except (RankErrors, UsageError) as exc:
+            err = exc.errors.get(r) if isinstance(exc, RankErrors) else exc
+            report = death_report(self._ctl.supervisor, r)
+            if report and (isinstance(err, (UsageError, RankDied)) or (
+                    isinstance(err, RemoteError) and err.type_name == "LookupError")):
+                print(report)
+                return
             if isinstance(err, RemoteError) and err.type_name == "LookupError":
                 raise UsageError(err.message) from None
             raise

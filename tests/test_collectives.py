@@ -525,11 +525,15 @@ def test_a_shape_mismatch_that_aborts_a_rank_names_the_collective(mesh: Mesh) ->
         mesh.exec(MISMATCH, name="<mnb-cell-50>", timeout=60)
     text = str(info.value)
     rank, err = _died(info)
-    shape = "float32[4]" if rank == 2 else "float32[8]"
-    assert re.search(rf"rank {rank} died \(killed by SIG[A-Z]+\): in all_reduce #\d+ of "
-                     rf"{re.escape(shape)} from <mnb-cell-50> line 3 \(if the ranks called "
-                     r"different collectives there, strict mode, check_collectives=True, names "
-                     r"each rank's call before anything is sent\)", text), text
+    # the user sees both sides: the dead rank's shape and the others'
+    shape, others = ("float32[4]", "float32[8]") if rank == 2 else ("float32[8]", "float32[4]")
+    them = "ranks 0,1" if rank == 2 else "rank 2"
+    assert re.search(rf"rank {rank} died \(killed by SIG[A-Z]+\): in all_reduce #(\d+) of "
+                     rf"{re.escape(shape)} from <mnb-cell-50> line 3, while {them} called "
+                     rf"all_reduce #\1 of {re.escape(others)} \(the ranks called different "
+                     r"collectives: strict mode, check_collectives=True or %monarch start "
+                     r"--check-collectives, names each rank's call before anything is sent\)",
+                     text), text
     died = [e for e in mesh.events if e["kind"] == "died" and e["rank"] == rank][-1]
     assert "in all_reduce #" in died["detail"] and "<mnb-cell-50> line 3" in died["detail"], died
     assert err.cause_hint.startswith("in all_reduce #"), err.cause_hint
@@ -553,8 +557,8 @@ def test_a_rank_killed_while_waiting_in_a_collective_names_it(mesh: Mesh) -> Non
         mesh.exec(KILLED_IN, name="<mnb-cell-51>", timeout=60)
     text = str(info.value)
     assert re.search(r"--- rank 1: RankDied: rank 1 died \(killed by SIGKILL\): in all_reduce "
-                     r"#\d+ of float32\[8\] from <mnb-cell-51> line 7; SIGKILL that monarch_nb "
-                     r"did not send", text), text
+                     r"#\d+ of float32\[8\] from <mnb-cell-51> line 7, with rank 0 in it too, "
+                     r"rank 2 had not reached it; SIGKILL that monarch_nb did not send", text), text
     assert "strict mode" not in info.value.errors[1].cause_hint  # a kill, not a crash
     wait_for(lambda: all(s["state"] == "ready" for s in mesh.status()), timeout=90,
              what="every rank back")

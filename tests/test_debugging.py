@@ -5,6 +5,7 @@ kernel: test_debug_kernel.py.)"""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 
@@ -266,3 +267,45 @@ def test_logs_cover_earlier_incarnations(mesh3: Mesh) -> None:
     assert mesh3.logs(2, tail=1)[-1] == "after the kill"
     with pytest.raises(UsageError):
         mesh3.logs(2, tail=0)
+
+
+ABORTS = """\
+import os, torch, torch.distributed as dist, monarch_nb as mnb
+x = torch.ones(2)
+dist.all_reduce(x)
+def give_up():
+    print("about to abort", flush=True)
+    os.abort()
+if mnb.rank() == 1:
+    give_up()
+"""
+
+
+def test_debug_on_a_rank_killed_by_a_signal_shows_what_it_left(
+        shared3: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+    # no interpreter is left for pdb: its stacks, output and collectives instead
+    from monarch_nb import RankErrors
+
+    with pytest.raises(RankErrors):
+        shared3.exec(ABORTS, name="<mnb-cell-61>", timeout=60)
+    wait_for(lambda: all(s["state"] == "ready" for s in shared3.status()), timeout=90,
+             what="rank 1 back")
+    capsys.readouterr()
+    shared3.debug(1)
+    out = capsys.readouterr().out
+    assert re.search(r"rank 1 \(incarnation \d+, pid \d+\) was killed by SIGABRT: no "
+                     r"interpreter is left for pdb; what it left behind:", out), out
+    assert "last stacks (from its log):\n  Python (most recent call first):\n" in out, out
+    assert "    give_up (<mnb-cell-61> line 6)" in out, out
+    assert "last output lines:" in out and "  about to abort" in out, out
+    assert re.search(r"last collectives \(its flight records, oldest first\):\n(  .*\n)*"
+                     r"  #\d+ all_reduce\(float32\[2\]\) from <mnb-cell-61> line 3: done", out), out
+    # a rank killed with SIGKILL left no stack: the report says so
+    was = shared3.status()[2]["incarnation"]
+    shared3.kill(2)
+    wait_for(lambda: shared3.status()[2]["state"] == "ready"
+             and shared3.status()[2]["incarnation"] > was, timeout=90, what="rank 2 back")
+    shared3.debug(2)
+    out = capsys.readouterr().out
+    assert f"rank 2 (incarnation {was}, pid " in out and "was killed by SIGKILL" in out, out
+    assert "last stacks: none in its log (SIGKILL leaves none)" in out, out

@@ -658,6 +658,41 @@ def test_an_exit_after_an_exception_names_it() -> None:
     assert deathcause.explain(0, tail) == ""
 
 
+def _rec(seq: int, tensors: str, state: str = flight.IN_FLIGHT, op: str = "all_reduce",
+         line: int = 3) -> OpRecord:
+    return OpRecord(op=op, group="0", seq=seq, tensors=tensors, file="<mnb-cell-7>", line=line,
+                    func="<module>", t0=1.0, state=state)
+
+
+def test_a_death_in_a_collective_names_the_other_ranks_side() -> None:
+    dead = ({}, [_rec(3, "float32[8]", flight.DONE), _rec(4, "float32[4]")])
+    theirs = [_rec(3, "float32[8]", flight.DONE), _rec(4, "float32[8]")]
+    abort = -int(signal.SIGABRT)
+    hint = deathcause.explain(abort, [], flight=dead, peers={0: theirs, 1: theirs})
+    assert hint == ("in all_reduce #4 of float32[4] from <mnb-cell-7> line 3, while ranks 0,1 "
+                    f"called all_reduce #4 of float32[8] ({deathcause.STRICT_HINT})"), hint
+    assert "--check-collectives" in hint and "check_collectives=True" in hint
+    # agreeing peers and one not there yet: no desync, no strict mode
+    kill = -int(signal.SIGKILL)
+    same = [_rec(4, "float32[4]")]
+    hint = deathcause.flight_hint(kill, {}, dead[1], peers={0: same, 2: [_rec(3, "float32[8]")]})
+    assert hint == ("in all_reduce #4 of float32[4] from <mnb-cell-7> line 3, with rank 0 in it "
+                    "too, rank 2 had not reached it"), hint
+    # a different op at the same number, from another line
+    other = [_rec(4, "float32[4]", op="broadcast", line=5)]
+    hint = deathcause.flight_hint(kill, {}, dead[1], peers={1: other})
+    assert hint.startswith("in all_reduce #4 of float32[4] from <mnb-cell-7> line 3, while rank "
+                           "1 called broadcast #4 of float32[4] from <mnb-cell-7> line 5 ("), hint
+    # records of another generation are not this collective's
+    old = [OpRecord(op="all_reduce", group="0", seq=4, tensors="float32[8]", generation=1)]
+    hint = deathcause.flight_hint(abort, {}, dead[1], peers={1: old})
+    assert hint.endswith("line 3, rank 1 had not reached it"), hint
+    # no peer readable (a remote launcher): the hedged hint
+    hint = deathcause.flight_hint(abort, {}, dead[1], peers={})
+    assert hint.endswith("(if the ranks called different collectives there, strict mode, "
+                         "check_collectives=True, names each rank's call before anything is sent)")
+
+
 def test_rank_died_shows_the_hint() -> None:
     from monarch_nb.errors import RankDied
 

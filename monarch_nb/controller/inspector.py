@@ -29,11 +29,15 @@ import builtins
 import collections
 import functools
 import itertools
+import signal as signal_mod
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .. import flight
+from ..procs import deathcause
+from ..procs.supervisor import Supervisor
 from ..selection import format_ranks
 from ..stacks import RankStacks, Stacks, hang_report
 from ..wire import payloads
@@ -295,6 +299,54 @@ def _report_hang(output: CallOutput, seconds: float, unfinished: frozenset[int],
     shown = Stacks((r, st) for r, st in stacks.items() if r in unfinished)
     shown.collectives = stacks.collectives
     output.note(hang_report(shown, seconds))
+
+
+DEATH_OUTPUT_LINES = 12  # last output lines a death report shows
+DEATH_RECORDS = 8  # last collectives a death report shows
+_DUMP_STARTS = ("Fatal Python error", "Current thread", "Thread 0x", "Stack (most recent")
+
+
+def death_report(supervisor: Supervisor, rank: int) -> str:
+    """What ``%monarch debug RANK`` shows when ``rank``'s newest ended
+    incarnation was killed by a signal and pdb has no interpreter left:
+    its last Python and native stacks (where its log has faulthandler's and
+    c10's dump), its last output lines and its last collectives (its
+    persisted flight records). "" when no incarnation of it ended by a
+    signal (the caller tries pdb on the running one first)."""
+    procs = [p for p in supervisor.history if p.rank == rank]
+    dead = next((p for p in reversed(procs) if p.reaped), None)
+    code = None if dead is None else dead.popen.poll()
+    if dead is None or code is None or code >= 0:
+        return ""
+    try:
+        how = f"killed by {signal_mod.Signals(-code).name}"
+    except ValueError:
+        how = f"killed by signal {-code}"
+    log = supervisor.tail(rank, 2000, dead.incarnation)
+    lines = [f"rank {rank} (incarnation {dead.incarnation}, pid {dead.pid}) was {how}: no "
+             "interpreter is left for pdb; what it left behind:"]
+    stack = deathcause.crash_stack(log)
+    if stack:
+        lines.append("last stacks (from its log):")
+        lines.extend(f"  {line}" for line in stack)
+    else:
+        why = "SIGKILL leaves none" if -code == signal_mod.SIGKILL else "no faulthandler dump"
+        lines.append(f"last stacks: none in its log ({why})")
+    cut = next((i for i, line in enumerate(log)
+                if line.startswith(_DUMP_STARTS) or deathcause.is_native_dump(line)), len(log))
+    output = log[:cut][-DEATH_OUTPUT_LINES:]
+    lines.append("last output lines:" if output else "last output lines: none")
+    lines.extend(f"  {line}" for line in output)
+    call, records = dead.flight
+    if call.get("name"):
+        lines.append(f"last call: {call['name']}")
+    recs = list(records)[-DEATH_RECORDS:]
+    lines.append("last collectives (its flight records, oldest first):" if recs
+                 else "last collectives: none recorded")
+    for rec in recs:
+        lines.append(f"  #{rec.seq} {rec.describe()} from {rec.where()}: {rec.state}"
+                     + ("" if rec.group == flight.DEFAULT_GROUP else f" ({flight.group_label(rec.group)})"))
+    return "\n".join(lines)
 
 
 def native_stack(pid: int | None) -> str:

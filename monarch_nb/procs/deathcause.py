@@ -36,7 +36,12 @@ than the exit status already says).
   <mnb-cell-7> line 3``), or the call it was running and its last
   collective; dying of a crash inside a collective, a line suggests strict
   mode, which names every rank's side of a disagreement before anything is
-  sent.
+  sent;
+* the other ranks' side of that collective (:func:`peers_hint`), from the
+  rings the living ranks persist too (read in place, not removed): ``while
+  ranks 0,1 called all_reduce #4 of float32[8]``. When their records show
+  a desync (a different op, dtype, shape or root at the same sequence
+  number), the strict-mode hint says so plainly instead of "if".
 
 Non-goals: the exit status itself (RankDied.cause), reading the log
 (supervisor.py).
@@ -46,11 +51,11 @@ from __future__ import annotations
 
 import re
 import signal as signal_mod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import quote_first_line
-from ..flight import IN_FLIGHT, OpRecord
+from ..flight import DEFAULT_GROUP, IN_FLIGHT, OpRecord, label
 
 HIGH_RSS_FRACTION = 0.25  # of the machine's memory: a SIGKILL then is probably the OOM killer
 # of a cgroup's limit: heartbeats come every 0.5 s, and memory that grows
@@ -75,15 +80,17 @@ _TIMEOUT = re.compile(r"collective operation timeout|before timing out|"
 def explain(code: int | None, log_tail: Sequence[str], *, last_rss: float | None = None,
             mem_total: float | None = None, sent: Iterable[int] = (),
             mem_limit: float | None = None, mem_used: float | None = None,
-            flight: tuple[dict[str, Any], Sequence[OpRecord]] = ({}, ())) -> str:
+            flight: tuple[dict[str, Any], Sequence[OpRecord]] = ({}, ()),
+            peers: Mapping[int, Sequence[OpRecord]] | None = None) -> str:
     """The cause hint for a rank that exited with ``code`` (negative: a
     signal). ``sent``: the signals monarch_nb itself sent the process;
     ``mem_limit``, ``mem_used``: its memory cgroup's limit and last usage,
     when it had a limit; ``flight``: the call identity and records its
-    persisted ring kept (:func:`flight_hint`)."""
+    persisted ring kept (:func:`flight_hint`); ``peers``: the living
+    ranks' persisted records, when they could be read (:func:`peers_hint`)."""
     if code is None:
         return ""
-    doing = flight_hint(code, *flight) if code < 0 else ""
+    doing = flight_hint(code, *flight, peers=peers) if code < 0 else ""
     why = _explain(code, log_tail, last_rss, mem_total, sent, mem_limit, mem_used)
     if not (doing and why):
         return doing or why
@@ -92,16 +99,22 @@ def explain(code: int | None, log_tail: Sequence[str], *, last_rss: float | None
     return f"{doing}; {why}" if doing.startswith("in ") else f"{why}; {doing}"
 
 
-def flight_hint(code: int, call: dict[str, Any], records: Sequence[OpRecord]) -> str:
+def flight_hint(code: int, call: dict[str, Any], records: Sequence[OpRecord],
+                peers: Mapping[int, Sequence[OpRecord]] | None = None) -> str:
     """What a dead rank was doing, from its persisted records: the
-    collective it was in, else the call it ran and its last collective;
+    collective it was in (and the other ranks' side of it, from
+    ``peers``' records), else the call it ran and its last collective;
     "" when they tell nothing."""
     last = records[-1] if records else None
     text = ""
     if last is not None and last.state == IN_FLIGHT:
-        what = f"{last.op} #{last.seq}" + (f" of {last.tensors}" if last.tensors else "")
-        text = f"in {what} from {last.where()}"
-        if code < 0 and -code in {int(s) for s in _CRASHES}:
+        text = f"in {_what(last)} from {last.where()}"
+        side, desync = peers_hint(last, peers or {})
+        if side:
+            text += f", {side}"
+        if desync:
+            text += f" ({STRICT_HINT})"
+        elif not side and code < 0 and -code in {int(s) for s in _CRASHES}:
             text += (" (if the ranks called different collectives there, strict mode, "
                      "check_collectives=True, names each rank's call before anything is sent)")
         return text
@@ -114,6 +127,53 @@ def flight_hint(code: int, call: dict[str, Any], records: Sequence[OpRecord]) ->
         done = f"{last.op} #{last.seq} from {last.where()}"
         text = f"{text}, after {done}" if text else f"after {done}"
     return text
+
+
+# said when the records show the ranks disagreed on a collective
+STRICT_HINT = ("the ranks called different collectives: strict mode, check_collectives=True "
+               "or %monarch start --check-collectives, names each rank's call before anything "
+               "is sent")
+
+
+def _what(rec: OpRecord) -> str:
+    return f"{rec.op} #{rec.seq}" + (f" of {rec.tensors}" if rec.tensors else "")
+
+
+def peers_hint(dead: OpRecord, peers: Mapping[int, Sequence[OpRecord]]) -> tuple[str, bool]:
+    """The other ranks' side of the collective ``dead`` (a dead rank's
+    in-flight record) and whether they disagreed: ``while ranks 0,1 called
+    all_reduce #4 of float32[8]`` (a desync: True), ``with ranks 0,1 in it
+    too``, ``rank 2 had not reached it``. Their record of the same group,
+    generation and sequence number is their side; ("", False) when no
+    peer's records tell."""
+    same: list[int] = []
+    behind: list[int] = []
+    other: dict[tuple[str, str, str], list[int]] = {}
+    for rank in sorted(peers):
+        recs = [r for r in peers[rank] if r.group == dead.group and r.generation == dead.generation
+                and r.peer is None]
+        if not recs:  # none in this generation: not there yet (the default group has all)
+            if dead.group == DEFAULT_GROUP:
+                behind.append(rank)
+            continue
+        mine = next((r for r in reversed(recs) if r.seq == dead.seq), None)
+        if mine is None:
+            if recs[-1].seq < dead.seq:
+                behind.append(rank)
+            continue
+        if mine.signature() == dead.signature():
+            same.append(rank)
+        else:
+            where = "" if mine.where() == dead.where() else f" from {mine.where()}"
+            other.setdefault((_what(mine), mine.describe(), where), []).append(rank)
+    parts = [f"while {label(ranks)} called {what}{where}"
+             if what != _what(dead) else f"while {label(ranks)} called {describe}{where}"
+             for (what, describe, where), ranks in other.items()]
+    if same:
+        parts.append(f"with {label(same)} in it too")
+    if behind:
+        parts.append(f"{label(behind)} had not reached it")
+    return ", ".join(parts), bool(other)
 
 
 def _explain(code: int, log_tail: Sequence[str], last_rss: float | None,
@@ -176,6 +236,11 @@ def crash_stack(log_tail: Sequence[str]) -> list[str]:
         out.append("native (most recent call first):")
         out.extend(f"  {f}" for f in native)
     return out
+
+
+def is_native_dump(line: str) -> bool:
+    """Does ``line`` start c10's dump of a thread's native stack?"""
+    return bool(_NATIVE_HEAD.match(line.strip()))
 
 
 def _native_frames(lines: Sequence[str]) -> list[str]:
@@ -306,6 +371,6 @@ def _at(frame: tuple[str, int, str]) -> str:
     return at if func == "<module>" else f"{func} ({at})"
 
 
-__all__ = ["explain", "flight_hint", "crash_hint", "crash_stack", "is_crash", "oom_hint", "exception_hint", "timeout_hint",
+__all__ = ["explain", "is_native_dump", "flight_hint", "peers_hint", "STRICT_HINT", "crash_hint", "crash_stack", "is_crash", "oom_hint", "exception_hint", "timeout_hint",
            "HIGH_RSS_FRACTION",
            "NEAR_LIMIT_FRACTION"]

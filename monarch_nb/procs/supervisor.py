@@ -381,11 +381,20 @@ class Supervisor:
         except Exception:
             total = None
         return deathcause.explain(code, self._death_tail(rank, code), sent=proc.sent,
-                                  flight=proc.flight,
+                                  flight=proc.flight, peers=self.peer_records(rank),
                                   last_rss=rss if isinstance(rss, (int, float)) else None,
                                   mem_total=None if self.launcher.remote else total,
                                   mem_limit=limit if isinstance(limit, (int, float)) else None,
                                   mem_used=used if isinstance(used, (int, float)) else None)
+
+    def peer_records(self, rank: int) -> dict[int, list[flight.OpRecord]]:
+        """The other ranks' persisted records (read in place; a reaped
+        one's as it left them): their side of the collective ``rank`` died in."""
+        if self.launcher.remote:
+            return {}
+        return {r: p.flight[1] if p.reaped else flight.read_persisted(
+                    flight.persist_path(p.log_path), remove=False)[1]
+                for r, p in self.procs.items() if r != rank and p.log_path != os.devnull}
 
     def crash_stack(self, rank: int) -> tuple[str, ...]:
         """The crashing thread's Python and native stack when ``rank``'s

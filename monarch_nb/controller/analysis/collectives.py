@@ -49,7 +49,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...flight import IN_FLIGHT, OpRecord, decode, group_label, label, mismatch_text
+from ...flight import (
+    DEFAULT_GROUP,
+    DIED,
+    IN_FLIGHT,
+    OpRecord,
+    decode,
+    group_label,
+    label,
+    mismatch_text,
+)
 from ...stacks import RankStacks
 
 
@@ -65,14 +74,18 @@ class RankTail:
     now: float = 0.0
     calls: list[list[Any]] = field(default_factory=list)  # [call, name, start, end, state]
     torch_ops: list[OpRecord] = field(default_factory=list)  # torch's own recorder's
+    # set for a dead incarnation's records (flight.dead_tail): its number
+    dead: int | None = None
 
     @classmethod
     def from_wire(cls, rank: int, data: Mapping[str, Any]) -> RankTail:
+        dead = data.get("dead")
         return cls(rank, [decode(list(row)) for row in data.get("ops") or []],
                    {str(k): tuple(int(r) for r in v) for k, v in (data.get("groups") or {}).items()},
                    int(data.get("generation", 0)), int(data.get("total", 0)),
                    float(data.get("now", 0.0)), [list(c) for c in data.get("calls") or []],
-                   [decode(list(row)) for row in data.get("torch_ops") or []])
+                   [decode(list(row)) for row in data.get("torch_ops") or []],
+                   dead if type(dead) is int else None)
 
     def collectives(self, generation: int | None = None) -> list[OpRecord]:
         gen = self.generation if generation is None else generation
@@ -89,8 +102,9 @@ class Finding:
     """``kind``: ``mismatch`` (different collectives at one number),
     ``missing`` (some members never entered a collective others wait in),
     ``diverged`` (same op from different lines), ``waiting`` (every member
-    is in it: a peer outside the group, or the transport), ``p2p`` (a
-    send/recv in flight), ``silent`` (ranks that did not answer)."""
+    is in it: a peer outside the group, or the transport), ``died`` (a rank
+    died in it: its persisted records), ``p2p`` (a send/recv in flight),
+    ``silent`` (ranks that did not answer)."""
 
     kind: str
     group: str
@@ -200,6 +214,7 @@ def analyze(tails: Mapping[int, RankTail], stacks: Mapping[int, RankStacks] | No
         report.groups.append(GroupProgress(group, tuple(ranks), last))
         report.findings.extend(_group_findings(group, ranks, per_rank, last, stacks or {},
                                                current))
+    report.findings.extend(_death_findings(current))
     report.findings.extend(_p2p_findings(current))
     _torch_findings(report, current, members, stacks or {})
     if silent:
@@ -207,7 +222,8 @@ def analyze(tails: Mapping[int, RankTail], stacks: Mapping[int, RankStacks] | No
         reasons = sorted(set(silent.values()))
         report.findings.append(Finding("silent", "", None, f"{label(quiet)} did not answer "
                                        f"({', '.join(reasons)})"))
-    order = {"mismatch": 0, "missing": 1, "diverged": 2, "waiting": 3, "p2p": 4, "silent": 5}
+    order = {"mismatch": 0, "died": 1, "missing": 2, "diverged": 3, "waiting": 4, "p2p": 5,
+             "silent": 6}
     report.findings.sort(key=lambda f: order.get(f.kind, 9))
     return report
 
@@ -334,6 +350,23 @@ def _enqueued_findings(group: str, per_rank: dict[int, dict[int, OpRecord]],
 
 def _where(where: str) -> str:
     return where if where.startswith(("in ", "idle")) else f"at {where}"
+
+
+def _death_findings(tails: Mapping[int, RankTail]) -> list[Finding]:
+    """A rank that died inside a collective (its persisted records): the
+    others wait in it for a rank that will not come."""
+    out = []
+    for r, t in sorted(tails.items()):
+        if t.dead is None:
+            continue
+        died = [rec for rec in t.ops if rec.state == DIED]
+        if died:
+            rec = died[-1]
+            on = "" if rec.group == DEFAULT_GROUP else f" on {group_label(rec.group)}"
+            out.append(Finding("died", rec.group, rec.seq,
+                               f"rank {r} died in #{rec.seq} {rec.describe()}{on} from "
+                               f"{rec.where()} (incarnation {t.dead}; its persisted records)"))
+    return out
 
 
 def _p2p_findings(tails: Mapping[int, RankTail]) -> list[Finding]:
