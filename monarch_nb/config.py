@@ -110,6 +110,13 @@ class MeshConfig:
         copied to the host and arrive on the CPU. Without a GPU backend, or
         with remote ranks, it prints a one-line notice and stays off. The
         ranks learn it from ``MONARCH_NB_GPU_IPC=1`` in their environment.
+    spare_hosts: hosts kept free for the ranks of a lost host (ssh, slurm):
+        when a host is lost its ranks start on the first spare, keeping their
+        rank numbers. Under SLURM, nodes of the allocation beyond ``nodes``
+        are spare hosts by default.
+    host_timeout: a host whose agent says nothing this long (it ticks every
+        0.2 s) is lost: its ranks end with "host X lost" and are not retried
+        there; a launch that fails loses its host at once.
     local_link: a *local* rank's main channel (calls, cells and their
         results) is a Unix socket pair with the controller (wire/link.py)
         instead of a ZeroMQ socket: no ZeroMQ I/O thread on either side of
@@ -142,6 +149,8 @@ class MeshConfig:
     shm_threshold: int | None = 1 << 20
     gpu_ipc: bool = False
     local_link: bool = True
+    spare_hosts: tuple[str, ...] = ()
+    host_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1):
@@ -178,6 +187,15 @@ class MeshConfig:
             raise UsageError(f"gpu_ipc must be True or False, not {self.gpu_ipc!r}")
         if not isinstance(self.local_link, bool):
             raise UsageError(f"local_link must be True or False, not {self.local_link!r}")
+        if isinstance(self.spare_hosts, str):
+            object.__setattr__(self, "spare_hosts", tuple(h for h in self.spare_hosts.split(",") if h))
+        if (isinstance(self.host_timeout, bool) or not isinstance(self.host_timeout, (int, float))
+                or not self.host_timeout > 0):
+            raise UsageError(f"host_timeout must be a positive number of seconds, "
+                             f"not {self.host_timeout!r}")
+        if self.spare_hosts and self.launcher not in ("ssh", "slurm"):
+            raise UsageError("spare hosts need --launcher ssh or slurm (the local launcher runs "
+                             "on this machine only)")
         if not _valid_bind(self.bind):
             raise UsageError(f"bind address {self.bind!r} is not a host name, an IP address "
                              "or * (every interface)")

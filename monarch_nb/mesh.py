@@ -56,7 +56,7 @@ from .errors import (
 )
 from .flight import RING_SIZE
 from .futures import MeshFuture
-from .procs import launchers, limits
+from .procs import agents, launchers, limits
 from .results import RankResults
 from .selection import format_ranks, parse_ranks
 from .stacks import Stacks
@@ -311,7 +311,7 @@ class Mesh(_RankSet):
         if custom is not None:
             spawner, world = custom, cfg.n or 0
         else:
-            spawner, world = launchers.from_config(cfg, cfg.n)
+            spawner, world = agents.from_config(cfg, cfg.n)
         if spawner.remote:  # GPUs are counted on the nodes, not here
             info = launchers.remote_backend(cfg.backend, spawner)
         else:

@@ -379,8 +379,9 @@ class Controller:
         the GIL (liveness.py)."""
         silent = now - info.last_heartbeat
         state = None
-        if not self.supervisor.launcher.remote and self.liveness.wants_state(info.rank, silent):
-            state = liveness.os_state(pid)
+        if self.liveness.wants_state(info.rank, silent):
+            # a local rank's /proc, a remote one's as its host agent last saw it
+            state = self.supervisor.process_state(info.rank)
         verdict = self.liveness.judge(info.rank, silent, state, now)
         if verdict is liveness.Verdict.FROZEN:
             info.silent_for = silent

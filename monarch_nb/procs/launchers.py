@@ -69,15 +69,37 @@ class Placement:
     local_world_size: int
 
 
+class Handle(Protocol):
+    """A started rank as its supervisor sees it: a ``subprocess.Popen``, or
+    a rank on another host behind its agent (agents.RemoteRank)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def stdin(self) -> IO[bytes] | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 class Launcher(Protocol):
-    name: str
-    remote: bool
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def remote(self) -> bool: ...
 
     def placement(self, rank: int, world_size: int) -> Placement: ...
 
     def master_addr(self, world_size: int) -> str: ...
 
-    def start(self, rank: int, env: dict[str, str], log: IO[bytes]) -> subprocess.Popen[bytes]: ...
+    def start(self, rank: int, env: dict[str, str], log: IO[bytes]) -> Handle: ...
 
 
 def _popen(argv: list[str], env: dict[str, str], log: IO[bytes],
@@ -143,7 +165,15 @@ class _RemoteLauncher:
     def worker_argv(self) -> list[str]:
         return [self.python, "-m", "monarch_nb.cli", "worker", "--key-file", "-"]
 
+    def agent_argv(self, controller_timeout: float) -> list[str]:
+        return [self.python, "-m", "monarch_nb.agent", "--controller-timeout",
+                f"{controller_timeout:g}"]
+
     def command(self, placement: Placement) -> list[str]:
+        raise NotImplementedError
+
+    def agent_command(self, host: str, controller_timeout: float) -> list[str]:
+        """The command that starts ``host``'s agent (agents.py)."""
         raise NotImplementedError
 
     def start(self, rank: int, env: dict[str, str], log: IO[bytes]) -> subprocess.Popen[bytes]:
@@ -175,6 +205,11 @@ class SshLauncher(_RemoteLauncher):
                   + " ".join(shlex.quote(a) for a in self.worker_argv()))
         return [a.replace("{host}", placement.host) for a in self.template] + [remote]
 
+    def agent_command(self, host: str, controller_timeout: float) -> list[str]:
+        remote = (f"cd {shlex.quote(self.cwd)} 2>/dev/null; exec "
+                  + " ".join(shlex.quote(a) for a in self.agent_argv(controller_timeout)))
+        return [a.replace("{host}", host) for a in self.template] + [remote]
+
 
 @dataclass
 class SlurmLauncher(_RemoteLauncher):
@@ -187,6 +222,12 @@ class SlurmLauncher(_RemoteLauncher):
     def command(self, placement: Placement) -> list[str]:
         return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={placement.host}", "--overlap",
                 "--kill-on-bad-exit=1", "--quiet", *self.worker_argv()]
+
+    def agent_command(self, host: str, controller_timeout: float) -> list[str]:
+        # one step per node for its agent; the ranks are the agent's children
+        # within that step (a rank respawned on the node needs no new step)
+        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap",
+                "--quiet", f"--chdir={self.cwd}", *self.agent_argv(controller_timeout)]
 
 
 @dataclass
@@ -317,5 +358,5 @@ def remote_backend(requested: str, launcher: Launcher) -> BackendInfo:
     return BackendInfo(name, "nccl", build["version"], tuple(str(i) for i in range(per_node)))
 
 
-__all__ = ["JoinLauncher", "Launcher", "LocalLauncher", "Placement", "SlurmLauncher", "SshLauncher",
+__all__ = ["Handle", "JoinLauncher", "Launcher", "LocalLauncher", "Placement", "SlurmLauncher", "SshLauncher",
            "from_config", "rank_spec"]

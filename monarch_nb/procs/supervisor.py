@@ -43,7 +43,8 @@ from .. import config, flight
 from ..backends import BackendInfo, pin_env
 from ..wire import link as links
 from . import deathcause, logdirs, spares
-from .launchers import Launcher, LocalLauncher
+from .agents import RemoteRank
+from .launchers import Handle, Launcher, LocalLauncher
 from .spawner import Spawner
 
 
@@ -51,9 +52,9 @@ from .spawner import Spawner
 class RankProcess:
     rank: int
     incarnation: int
-    popen: subprocess.Popen[bytes]
+    popen: Handle  # a subprocess.Popen, or a RemoteRank behind its host's agent
     log_path: str
-    pidfd: int | None = None
+    pidfd: int | None = None  # readable once it ended (a RemoteRank: its exit_fd)
     reaped: bool = False
     from_spare: bool = False  # a spare process became this rank (torch already imported)
     link: socket.socket | None = None  # our end of its link, until the I/O loop takes it
@@ -244,7 +245,7 @@ class Supervisor:
             log_path = os.devnull
         env = self.env_for(rank, incarnation, identity)
         env[flight.PERSIST_ENV] = "" if self.closed else flight.persist_path(log_path)
-        popen = None
+        popen: Handle | None = None
         ours: socket.socket | None = None
         if self.spare is not None:  # a waiting spare becomes this rank at once
             candidate, self.spare = self.spare, None
@@ -266,7 +267,8 @@ class Supervisor:
         proc = RankProcess(rank, incarnation, popen, log_path, from_spare=from_spare, link=ours)
         from ..wire.transport import pidfd_open
 
-        proc.pidfd = pidfd_open(popen.pid)
+        proc.pidfd = popen.exit_fd if isinstance(popen, RemoteRank) else pidfd_open(popen.pid)
+        proc.from_spare = proc.from_spare or getattr(popen, "from_spare", False)
         with self._lock:
             self.procs[rank] = proc
             self.history.append(proc)
@@ -276,7 +278,7 @@ class Supervisor:
         return proc
 
     def _start_rank(self, rank: int, env: dict[str, str],
-                    log_path: str) -> tuple[subprocess.Popen[bytes], socket.socket | None]:
+                    log_path: str) -> tuple[Handle, socket.socket | None]:
         """A fresh process for ``rank`` through the launcher, and our end of
         its link (a local launcher's) or None."""
         ours, theirs = links.pair() if self.links_on else (None, None)
@@ -326,10 +328,38 @@ class Supervisor:
         if proc is None or proc.popen.poll() is not None:
             return
         proc.sent.append(sig)
+        if isinstance(proc.popen, RemoteRank):
+            proc.popen.send_signal(sig)  # its agent sends it there
+            return
         try:
             os.kill(proc.pid, sig)
         except ProcessLookupError:
             pass
+
+    def process_state(self, rank: int, fresh: float = 1.0) -> str | None:
+        """``rank``'s process state letter (liveness.py): read here for a
+        local rank, its agent's last report (within ``fresh`` s) for a remote
+        one; None when unknown (a remote rank without an agent)."""
+        from .liveness import os_state
+
+        proc = self.procs.get(rank)
+        if proc is None:
+            return None
+        if isinstance(proc.popen, RemoteRank):
+            return proc.popen.process_state(fresh)
+        return None if self.launcher.remote else os_state(proc.pid)
+
+    def lost_host(self, rank: int) -> str:
+        """The host ``rank``'s current process was lost with ("" if it was not)."""
+        proc = self.procs.get(rank)
+        if proc is not None and isinstance(proc.popen, RemoteRank) and proc.popen.lost:
+            return proc.popen.agent.host
+        return ""
+
+    def replacement_host(self, lost: str) -> str | None:
+        """The spare host that takes ``lost``'s ranks, if the launcher has one."""
+        replace = getattr(self.launcher, "replace_host", None)
+        return None if replace is None else replace(lost)
 
     def signal_all(self, sig: int) -> list[int]:
         """Send ``sig`` to every live rank (a launcher forwarding SIGTERM,
@@ -341,7 +371,9 @@ class Supervisor:
             if proc.popen.poll() is not None:
                 continue
             proc.sent.append(sig)
-            if self.launcher.remote:
+            if isinstance(proc.popen, RemoteRank):
+                proc.popen.send_signal(sig, tree=True)
+            elif self.launcher.remote:
                 try:
                     os.kill(proc.pid, sig)
                 except ProcessLookupError:
@@ -374,6 +406,8 @@ class Supervisor:
         proc = self.procs.get(rank)
         if proc is None:
             return ""
+        if isinstance(proc.popen, RemoteRank) and proc.popen.lost:
+            return proc.popen.lost  # "host X lost (why)": not the rank's doing
         code = proc.popen.poll()
         rss, limit, used = health.get("rss"), health.get("mem_limit"), health.get("mem_used")
         try:
@@ -442,6 +476,9 @@ class Supervisor:
         _close_stdin(proc)  # a remote rank's cue that its handle is gone
         if proc.popen.poll() is None:
             proc.sent.append(signal.SIGKILL)
+            if isinstance(proc.popen, RemoteRank):
+                proc.popen.kill()
+                return
             try:
                 os.kill(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -469,7 +506,11 @@ class Supervisor:
             spare_link[0].close()
         if spare is not None:
             spares.discard(spare)
-        for proc in [p for p in self.history if p.popen.poll() is None]:
+        close = getattr(self.launcher, "close", None)
+        if close is not None:  # host agents: they stop their ranks, with the grace
+            close(grace)
+        for proc in [p for p in self.history if p.popen.poll() is None
+                     and not isinstance(p.popen, RemoteRank)]:
             try:
                 p = psutil.Process(proc.pid)
                 alive.append(p)

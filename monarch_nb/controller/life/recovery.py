@@ -55,6 +55,7 @@ from .policy import (
     Action,
     Died,
     GiveUp,
+    HostLost,
     Kill,
     Probed,
     Ready,
@@ -164,7 +165,12 @@ class Recovery:
         cause = signal_name(code) or f"exit code {code}"
         if info.silent_for is not None:
             cause = "missed heartbeats"
-        actions = self.policy.handle(Died(rank, time.monotonic(), cause, info.incarnation))
+        host = self.supervisor.lost_host(rank)
+        if host:  # its host is gone: not a crash to retry there (agents.py)
+            actions = self.policy.handle(HostLost(host, (rank,), time.monotonic(),
+                                                  self.supervisor.replacement_host(host)))
+        else:
+            actions = self.policy.handle(Died(rank, time.monotonic(), cause, info.incarnation))
         self._announce(f"monarch_nb: {died.headline}")
         self.apply(actions)  # first: a GiveUp ends the calls with its own reason
         self.calls.fail(rank, died, coming_back=self.ranks.coming_back(rank))

@@ -1,0 +1,378 @@
+"""The controller's side of host agents: one ssh / srun session per host,
+never one per rank.
+
+:class:`AgentLauncher` wraps the ssh or SLURM launcher's placement: the
+first rank placed on a host starts that host's agent (hostagent.py) through
+the launcher's remote command; every rank on the host is then one
+``spawn`` line to it. For the supervisor a remote rank is a
+:class:`RemoteRank`, a handle shaped like ``subprocess.Popen`` (``pid``,
+``poll``, ``wait``, ``send_signal``) whose ``exit_fd`` becomes readable when
+the agent reports the exit, so the I/O loop watches it like a local rank's
+pidfd. Its log arrives from the agent and is written to the rank's log
+file here, its flight records with its exit: ``%monarch logs``, RankDied's
+last lines and the collective it died in read them as for a local rank.
+
+A lost host: an agent that says nothing for ``host_timeout`` seconds (it
+ticks every 0.2 s), or whose session ends, or that cannot be started, is
+lost. Each of its ranks then ends with ``lost`` set to the host's name and
+the reason; the controller's policy treats that as ``HostLost``, not as a
+crash to retry. With spare hosts (``spare_hosts=``) the lost host's place
+in the placement goes to a spare (:meth:`AgentLauncher.replace_host`), so
+its ranks come back there with their rank numbers.
+
+Non-goals: when to respawn (policy), the agent itself (hostagent.py), the
+channel's message shapes (agentwire.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from .. import config, flight
+from ..errors import UsageError
+from . import agentwire, launchers
+from .launchers import Launcher, Placement, SlurmLauncher, SshLauncher, _local_env, rank_spec
+
+LOST_CODE = 255  # what a rank of a lost host "exited" with (ssh's own code for a lost link)
+PING_S = 0.5  # the controller's line to each agent (its controller_timeout counts these)
+STARTED_TIMEOUT_S = 30.0  # an agent that does not answer a spawn this long is lost
+
+
+class RemoteRank:
+    """A rank process on another host, as the supervisor sees it."""
+
+    def __init__(self, agent: HostAgent, sid: int, rank: int, inc: int, log_path: str) -> None:
+        self.agent, self.sid, self.rank, self.inc, self.log_path = agent, sid, rank, inc, log_path
+        self.args = f"rank {rank} on {agent.host}"
+        self.pid = 0  # its pid on its host, once the agent said
+        self.stdin = None
+        self.returncode: int | None = None
+        self.from_spare = False
+        self.state: str | None = None  # its process state, as the agent last saw it
+        self.state_at = 0.0
+        self.lost = ""  # "host X lost (why)" when it ended with its host
+        self.started = threading.Event()
+        self._done = threading.Event()
+        self.exit_fd, self._exit_w = os.pipe()  # readable once it ended (the I/O loop's watch)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int, tree: bool = False) -> None:
+        if self.returncode is None:
+            self.agent.send("signal", sid=self.sid, sig=int(sig), tree=tree)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL, tree=True)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def process_state(self, fresh: float) -> str | None:
+        """Its state letter if the agent reported it within ``fresh`` s."""
+        return self.state if time.monotonic() - self.state_at <= fresh else None
+
+    def ended(self, code: int, lost: str = "") -> None:
+        if self.returncode is not None:
+            return
+        self.lost = lost
+        self.returncode = code
+        self._done.set()
+        self.started.set()
+        try:
+            os.write(self._exit_w, b"x")
+            os.close(self._exit_w)
+        except OSError:
+            pass
+
+    def write_log(self, data: str) -> None:
+        try:
+            with open(self.log_path, "ab", buffering=0, opener=config.private) as f:
+                f.write(data.encode("utf-8", "surrogateescape"))
+        except OSError:
+            pass
+
+
+class HostAgent:
+    """One host's agent: its session, and the ranks it runs for us."""
+
+    def __init__(self, host: str, argv: list[str], env: dict[str, str], log_path: str,
+                 host_timeout: float) -> None:
+        self.host, self.host_timeout = host, host_timeout
+        self.processes: dict[int, RemoteRank] = {}  # by spawn number, until each one's exit
+        self._sids = itertools.count(1)
+        self.lost = ""
+        self.dropped = 0  # malformed lines
+        self.heard = time.monotonic()
+        self._lock = threading.Lock()
+        self.popen: subprocess.Popen[bytes] | None = None
+        try:
+            with open(log_path, "ab", buffering=0, opener=config.private) as log:
+                self.popen = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
+                                              stdout=subprocess.PIPE, stderr=log,
+                                              start_new_session=True, close_fds=True)
+        except OSError as exc:  # no ssh / srun here: a launch that fails loses the host at once
+            self.lost = f"host {host} lost (its agent could not start: {exc})"
+            return
+        threading.Thread(target=self._read, name=f"monarch-nb-agent-{host}", daemon=True).start()
+
+    def send(self, op: str, **fields: Any) -> None:
+        data = agentwire.encode(op, **fields)
+        with self._lock:
+            stdin = None if self.popen is None else self.popen.stdin
+            if self.lost or stdin is None or stdin.closed:
+                return
+            try:
+                stdin.write(data)
+                stdin.flush()
+            except (OSError, ValueError):
+                pass  # its reader sees the end and declares the host lost
+
+    def spawn(self, rank: int, env: dict[str, str], log_path: str, spare: bool) -> RemoteRank:
+        inc = int(env.get(config.ENV_INCARNATION, "0"))
+        with self._lock:
+            # a process it replaces ends when the agent reports its exit (the
+            # agent kills it): by then the supervisor holds the new one
+            handle = RemoteRank(self, next(self._sids), rank, inc, log_path)
+            self.processes[handle.sid] = handle
+        if self.lost:
+            handle.ended(LOST_CODE, self.lost)
+            return handle
+        self.send("spawn", sid=handle.sid, rank=rank, inc=inc, env=_shipped(env), spare=spare)
+        if not handle.started.wait(STARTED_TIMEOUT_S):
+            self.lose(f"no answer to starting rank {rank} in {STARTED_TIMEOUT_S:.0f} s")
+        return handle
+
+    def check(self, now: float) -> None:
+        if not self.lost and now - self.heard > self.host_timeout:
+            self.lose(f"its agent was silent for {now - self.heard:.1f} s")
+
+    def lose(self, why: str) -> None:
+        """The host is gone: its ranks end with it, the session is killed."""
+        with self._lock:
+            if self.lost:
+                return
+            self.lost = f"host {self.host} lost ({why})"
+            ranks = list(self.processes.values())
+        for handle in ranks:
+            handle.ended(LOST_CODE, self.lost)
+        if self.popen is not None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def close(self, grace: float) -> None:
+        """Stop the agent: its ranks get ``grace`` s, then SIGKILL (there)."""
+        self.send("stop", grace=grace)
+        with self._lock:
+            if self.popen is not None and self.popen.stdin is not None:
+                try:
+                    self.popen.stdin.close()
+                except OSError:
+                    pass
+
+    def wait_closed(self, timeout: float) -> None:
+        if self.popen is not None:
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                self.popen.wait(timeout=5)
+        with self._lock:
+            ranks = list(self.processes.values())
+        for handle in ranks:
+            handle.ended(-signal.SIGKILL)
+
+    # -- its reader thread --------------------------------------------------------------------
+    def _read(self) -> None:
+        assert self.popen is not None and self.popen.stdout is not None
+        stream = self.popen.stdout
+        for line in iter(lambda: stream.readline(agentwire.MAX_LINE + 1), b""):
+            self.heard = time.monotonic()
+            try:
+                msg = agentwire.decode(line, agentwire.FROM_AGENT)
+            except ValueError:
+                self.dropped += 1
+                continue
+            self._on(msg)
+        code = self.popen.wait()
+        self.lose(f"its session ended (exit code {code})")
+
+    def _on(self, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        if op == "tick":
+            now = time.monotonic()
+            for sid, state in msg["states"].items():
+                handle = self.processes.get(int(sid)) if str(sid).isdigit() else None
+                if handle is not None and isinstance(state, str):
+                    handle.state, handle.state_at = state, now
+            return
+        if op == "error":
+            sys.stderr.write(f"monarch_nb: agent on {self.host}: {msg['text']}\n")
+            return
+        if op == "hello":
+            return
+        handle = self.processes.get(msg["sid"])
+        if handle is None:
+            return  # not one we started
+        if op == "started":
+            handle.pid, handle.from_spare = msg["pid"], msg["spare"]
+            handle.started.set()
+        elif op == "log":
+            handle.write_log(msg["data"])
+        elif op == "exit":
+            if msg["flight"]:
+                try:
+                    data = base64.b64decode(msg["flight"], validate=True)
+                    with open(flight.persist_path(handle.log_path), "wb",
+                              opener=config.private) as f:
+                        f.write(data)
+                except (ValueError, OSError):
+                    pass
+            handle.ended(msg["code"])
+            self.processes.pop(handle.sid, None)
+
+
+def _shipped(env: dict[str, str]) -> dict[str, str]:
+    import json
+
+    spec = json.loads(rank_spec(env))
+    return dict(spec["env"])
+
+
+@dataclass
+class AgentLauncher:
+    """Remote ranks through one agent per host (ssh or SLURM underneath)."""
+
+    inner: SshLauncher | SlurmLauncher
+    spare_hosts: list[str] = field(default_factory=list)
+    host_timeout: float = 5.0
+    spare: bool = True
+    controller_timeout: float = 10.0
+    agents: dict[str, HostAgent] = field(default_factory=dict)
+    lost_hosts: list[str] = field(default_factory=list)
+    _replaced: list[tuple[str, str]] = field(default_factory=list)  # (lost, its spare)
+    remote: bool = True
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _watch: threading.Thread | None = None
+    _closed: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def per_node(self) -> int:
+        return self.inner.per_node
+
+    def placement(self, rank: int, world_size: int) -> Placement:
+        return self.inner.placement(rank, world_size)
+
+    def master_addr(self, world_size: int) -> str:
+        return self.inner.master_addr(world_size)
+
+    def hosts(self) -> list[str]:
+        return list(self.inner.nodes)
+
+    def start(self, rank: int, env: dict[str, str], log: IO[bytes]) -> RemoteRank:
+        world = int(env.get("WORLD_SIZE", rank + 1))
+        host = self.placement(rank, world).host
+        if self.host_lost(host):  # a restart after a lost host: onto a spare if one is left
+            host = self.replace_host(host) or host
+        agent = self._agent(host, env, log.name)
+        return agent.spawn(rank, env, log.name, self.spare)
+
+    def _agent(self, host: str, env: dict[str, str], log_name: str) -> HostAgent:
+        with self._lock:
+            agent = self.agents.get(host)
+            if agent is None or (agent.lost and host not in self.lost_hosts):
+                argv = self.inner.agent_command(host, self.controller_timeout)
+                log_path = os.path.join(os.path.dirname(log_name), f"agent-{host}.log")
+                agent = HostAgent(host, argv, _local_env(env), log_path, self.host_timeout)
+                self.agents[host] = agent
+            if self._watch is None:
+                self._watch = threading.Thread(target=self._watcher, daemon=True,
+                                               name="monarch-nb-agents")
+                self._watch.start()
+            return agent
+
+    def _watcher(self) -> None:
+        """Ping every agent; declare the silent ones lost."""
+        while not self._closed:
+            now = time.monotonic()
+            for agent in list(self.agents.values()):
+                if not agent.lost:
+                    agent.send("ping")
+                    agent.check(now)
+            time.sleep(PING_S / 2)
+
+    def host_lost(self, host: str) -> bool:
+        agent = self.agents.get(host)
+        return agent is not None and bool(agent.lost)
+
+    def replace_host(self, lost: str) -> str | None:
+        """Give ``lost``'s place in the placement to a spare host, if one is
+        left; the spare's name (also when ``lost`` was already replaced)."""
+        with self._lock:
+            if lost not in self.inner.nodes:
+                return next((new for old, new in self._replaced if old == lost), None)
+            if not self.spare_hosts:
+                return None
+            spare = self.spare_hosts.pop(0)
+            self.inner.nodes[self.inner.nodes.index(lost)] = spare
+            self._replaced.append((lost, spare))
+            self.lost_hosts.append(lost)
+            return spare
+
+    def add_hosts(self, hosts: list[str]) -> None:
+        """More spare hosts (``mesh.add_hosts``)."""
+        with self._lock:
+            self.spare_hosts.extend(h for h in hosts if h not in self.spare_hosts)
+
+    def close(self, grace: float) -> None:
+        self._closed = True
+        agents = list(self.agents.values())
+        for agent in agents:
+            agent.close(grace)
+        for agent in agents:
+            agent.wait_closed(grace + 5.0)
+
+
+def from_config(cfg: config.MeshConfig, n: int | None) -> tuple[Launcher, int]:
+    """launchers.from_config, with ssh and SLURM ranks behind one agent per
+    host. Spare hosts: ``cfg.spare_hosts``; under SLURM, by default, the
+    allocation's nodes beyond the ones placed (``--nodes``)."""
+    launcher, world = launchers.from_config(cfg, n)
+    if not isinstance(launcher, (SshLauncher, SlurmLauncher)):
+        return launcher, world
+    spare = list(cfg.spare_hosts)
+    if isinstance(launcher, SlurmLauncher) and not spare:
+        spare = [h for h in launchers.slurm_nodes() if h not in launcher.nodes]
+    clash = sorted(set(spare) & set(launcher.nodes))
+    if clash:
+        raise UsageError(f"spare host(s) {', '.join(clash)} already run ranks; a spare host "
+                         "must be free")
+    return AgentLauncher(launcher, spare, cfg.host_timeout, cfg.spare,
+                         cfg.controller_timeout), world
+
+
+__all__ = ["AgentLauncher", "HostAgent", "LOST_CODE", "RemoteRank", "from_config"]

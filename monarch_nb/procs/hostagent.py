@@ -1,0 +1,282 @@
+"""The host agent: one process per host of a multi-host mesh, started by the
+ssh or SLURM launcher (``python -m monarch_nb.agent``), that starts and
+supervises its host's ranks as the controller does for local ones.
+
+For each rank the controller asks for (agentwire ``spawn``) it starts a
+fresh ``python -m monarch_nb.worker``, or hands the rank to its warm spare
+(torch already imported: spares.py, engine/spare.py), in its own session so
+that its whole process tree goes with it (``kill_tree``). It watches every
+rank's exit (a thread waiting on it) and reports it at once with the rank's
+persisted flight records; it reports every rank's process state each tick
+(the controller tells a stopped rank from a busy one exactly as for a local
+rank: liveness.py), and streams each rank's log back, so ``%monarch logs``
+and the death causes read it as they read a local rank's.
+
+The agent runs no user code. The ranks still talk to the controller over
+their own signed, encrypted ZeroMQ channel: the agent cannot forge a call.
+
+No orphans: end of file on stdin (the ssh / srun session is gone), a
+``stop``, or no line from the controller for ``controller_timeout``
+seconds (it pings every heartbeat) ends the agent, and with it every rank
+and spare it started (SIGKILL to their process groups after the grace).
+Each child also gets the parent-death signal (its parent pid is the
+agent's: engine/loop.py).
+
+Non-goals: deciding anything about a death (the controller's policy), the
+ranks' calls (their own channel), starting the agent (launchers.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from .. import config, flight
+from . import agentwire, spares
+from .liveness import os_state
+from .supervisor import kill_tree
+
+TICK_S = 0.2  # states and heartbeat; a SIGSTOP is seen within a tick of the controller asking
+LOG_CHUNK = 1 << 20  # at most this much of a rank's log per message
+SPARE_AFTER_S = 1.0  # a spare starts this long after the last spawn (the ranks start first)
+# what a spare takes from a rank's spec before it knows its rank: what torch reads at import
+SPARE_ENV = ("OMP_NUM_THREADS", "PYTHONPATH", "MKL_NUM_THREADS")
+
+
+@dataclass
+class Child:
+    sid: int
+    rank: int
+    inc: int
+    popen: subprocess.Popen[bytes]
+    log_path: str
+    sent: int = 0  # bytes of its log already sent
+    ended: bool = False
+
+
+@dataclass
+class Agent:
+    out: IO[bytes]
+    controller_timeout: float = 10.0
+    folder: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="monarch-nb-agent-"))
+    children: dict[int, Child] = field(default_factory=dict)
+    spare: subprocess.Popen[bytes] | None = None
+    spare_log: str = ""
+    spare_env: dict[str, str] | None = None
+    spare_due: float | None = None
+    stopping: bool = False
+    _heard: float = field(default_factory=time.monotonic)  # the controller's last line
+    _out_lock: threading.Lock = field(default_factory=threading.Lock)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, op: str, **fields: Any) -> None:
+        data = agentwire.encode(op, **fields)
+        with self._out_lock:
+            try:
+                self.out.write(data)
+                self.out.flush()
+            except (OSError, ValueError):
+                pass  # the controller is gone: stdin's end will stop us
+
+    # -- the control loop (main thread: every fork happens here) -------------------------------
+    def run(self, lines: queue.Queue[bytes | None]) -> int:
+        os.chmod(self.folder, 0o700)
+        self.send("hello", host=socket.gethostname(), pid=os.getpid())
+        threading.Thread(target=self._ticker, name="monarch-nb-agent-tick", daemon=True).start()
+        grace = 3.0
+        while True:
+            try:
+                line = lines.get(timeout=min(TICK_S, self.controller_timeout))
+            except queue.Empty:
+                line = b""
+                if time.monotonic() - self._heard > self.controller_timeout:
+                    sys.stderr.write(f"monarch_nb agent: controller silent for "
+                                     f"{self.controller_timeout:.0f} s, stopping\n")
+                    break
+            if line is None:
+                break  # end of file: the session is gone
+            if line:
+                self._heard = time.monotonic()
+                try:
+                    msg = agentwire.decode(line, agentwire.TO_AGENT)
+                except ValueError as exc:
+                    self.send("error", text=f"dropped a malformed line: {exc}")
+                    continue
+                if msg["op"] == "stop":
+                    grace = float(msg["grace"])
+                    break
+                self._handle(msg)
+            self._keep_spare()
+        self.shutdown(grace)
+        return 0
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        if op == "spawn":
+            try:
+                env = agentwire.string_map(msg["env"])
+            except ValueError as exc:
+                self.send("error", text=str(exc))
+                return
+            self.spawn(msg["sid"], msg["rank"], msg["inc"], env, bool(msg["spare"]))
+        elif op == "signal":
+            child = next((c for c in self.children.values() if c.sid == msg["sid"]), None)
+            if child is None or child.ended:
+                return
+            try:
+                if msg["tree"]:
+                    kill_tree(child.popen.pid, msg["sig"])
+                else:
+                    os.kill(child.popen.pid, msg["sig"])
+            except (ProcessLookupError, ValueError, OSError):
+                pass
+
+    def spawn(self, sid: int, rank: int, inc: int, spec: dict[str, str],
+              keep_spare: bool) -> None:
+        log_path = os.path.join(self.folder, f"rank{rank}.{inc}.{sid}.log")
+        env = {**os.environ, **spec, config.ENV_PARENT_PID: str(os.getpid()),
+               flight.PERSIST_ENV: flight.persist_path(log_path)}
+        popen = None
+        if self.spare is not None and spares.is_waiting(self.spare_log):
+            candidate, self.spare = self.spare, None
+            if spares.assign(candidate, env, log_path):
+                popen = candidate
+            else:
+                spares.discard(candidate)
+        from_spare = popen is not None
+        if popen is None:
+            with open(log_path, "ab", buffering=0, opener=config.private) as log:
+                popen = subprocess.Popen([sys.executable, "-m", "monarch_nb.worker"], env=env,
+                                         stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         close_fds=True)
+        child = Child(sid, rank, inc, popen, log_path)
+        with self._lock:
+            old = self.children.get(rank)
+            self.children[rank] = child
+        if old is not None and not old.ended:
+            kill_tree(old.popen.pid)  # a rank has one process
+        self.send("started", sid=sid, pid=popen.pid, spare=from_spare)
+        threading.Thread(target=self._wait, args=(child,), name=f"monarch-nb-agent-wait-{rank}",
+                         daemon=True).start()
+        if keep_spare:
+            self.spare_env = {**os.environ, **{k: v for k, v in spec.items() if k in SPARE_ENV},
+                              config.ENV_PARENT_PID: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+            self.spare_due = time.monotonic() + SPARE_AFTER_S
+
+    def _keep_spare(self) -> None:
+        """Start the spare once the ranks had their start (main thread)."""
+        if self.spare is not None and self.spare.poll() is not None:
+            self.spare = None  # it died (out of memory?): a new one
+            self.spare_due = time.monotonic() + SPARE_AFTER_S
+        if (self.spare is None and self.spare_env is not None and self.spare_due is not None
+                and time.monotonic() >= self.spare_due and not self.stopping):
+            self.spare_log = os.path.join(self.folder, f"spare{time.monotonic_ns()}.log")
+            self.spare = spares.start(self.spare_env, self.spare_log)
+
+    def _wait(self, child: Child) -> None:
+        code = child.popen.wait()
+        kill_tree(child.popen.pid)  # its DataLoader workers and other children
+        path = flight.persist_path(child.log_path)
+        try:
+            with open(path, "rb") as f:
+                records = base64.b64encode(f.read()).decode()
+            os.unlink(path)
+        except OSError:
+            records = ""
+        with self._lock:
+            self._send_log(child)
+            child.ended = True
+        self.send("exit", sid=child.sid, code=code, flight=records)
+
+    # -- the ticker: states, logs, heartbeat ---------------------------------------------------
+    def _ticker(self) -> None:
+        while not self.stopping:
+            with self._lock:
+                live = [c for c in self.children.values() if not c.ended]
+                for child in live:
+                    self._send_log(child)
+            states = {str(c.sid): os_state(c.popen.pid) or "?" for c in live}
+            self.send("tick", states=states)
+            time.sleep(TICK_S)
+
+    def _send_log(self, child: Child) -> None:
+        try:
+            with open(child.log_path, "rb") as f:
+                f.seek(child.sent)
+                data = f.read(LOG_CHUNK)
+        except OSError:
+            return
+        while data:
+            child.sent += len(data)
+            self.send("log", sid=child.sid, data=data.decode("utf-8", "surrogateescape"))
+            if len(data) < LOG_CHUNK:
+                return
+            try:
+                with open(child.log_path, "rb") as f:
+                    f.seek(child.sent)
+                    data = f.read(LOG_CHUNK)
+            except OSError:
+                return
+
+    def shutdown(self, grace: float) -> None:
+        """Every rank and the spare go: asked to stop by the controller over
+        their own channel already, the ones alive after ``grace`` are killed."""
+        self.stopping = True
+        if self.spare is not None:
+            spares.discard(self.spare)
+        deadline = time.monotonic() + grace
+        for child in list(self.children.values()):
+            try:
+                child.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            kill_tree(child.popen.pid)
+            try:
+                child.popen.kill()
+                child.popen.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _read_lines(stream: IO[bytes], lines: queue.Queue[bytes | None]) -> None:
+    try:
+        for line in iter(lambda: stream.readline(agentwire.MAX_LINE + 1), b""):
+            lines.put(line)
+    except (OSError, ValueError):
+        pass
+    lines.put(None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m monarch_nb.agent",
+                                description="A monarch_nb host agent (started by the launcher; "
+                                            "it reads its orders on stdin).")
+    p.add_argument("--controller-timeout", type=float, default=10.0)
+    ns = p.parse_args(argv)
+    # stdout is the channel: anything else printed goes to stderr (the agent's log)
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller stops us, not a stray ^C
+    lines: queue.Queue[bytes | None] = queue.Queue()
+    signal.signal(signal.SIGTERM, lambda *_: lines.put(None))  # srun's TERM: as end of file
+    threading.Thread(target=_read_lines, args=(sys.stdin.buffer, lines), daemon=True,
+                     name="monarch-nb-agent-stdin").start()
+    return Agent(out, ns.controller_timeout).run(lines)
+
+
+__all__ = ["Agent", "main"]
