@@ -134,6 +134,7 @@ def measure(tree: Path, repeat: int) -> dict[str, Any]:
     return {
         "minGPT epoch, clean (s)": _spread([g["clean"] for g in gpt]),
         "minGPT epoch after the kill (s)": _spread([g["after"] for g in gpt]),
+        "minGPT after / clean, per trial": _spread([g["after"] / g["clean"] for g in gpt]),
         "torch threads, ranks 0,1 before": gpt[0]["threads before"],
         "torch threads, ranks 0,1 after": gpt[0]["threads after"],
         "rank 1 from the spare": all(g["from spare"] for g in gpt + dl),
