@@ -725,7 +725,7 @@ def test_a_shape_mismatch_death_stays_in_collectives_and_the_trace(mesh: Mesh,
     assert not [f for f in mesh.collectives().findings if f.kind == "died"]
 
 
-DIFFERENT_OP = """\
+OTHER_OP_UNTIL_KILLED = """\
 import torch, torch.distributed as dist, monarch_nb as mnb
 x = torch.ones(8)
 if mnb.rank() == 2:
@@ -737,7 +737,7 @@ else:
 
 def test_a_different_op_killed_while_stuck_stays_in_collectives_and_the_trace(
         mesh: Mesh, tmp_path: Path) -> None:
-    fut = mesh.exec_async(DIFFERENT_OP, name="<mnb-cell-53>")
+    fut = mesh.exec_async(OTHER_OP_UNTIL_KILLED, name="<mnb-cell-53>")
     try:
         def stuck() -> bool:
             return any(f.kind == "mismatch" and "broadcast" in f.text
