@@ -776,3 +776,41 @@ def test_a_rank_killed_in_all_reduce_stays_in_collectives_and_the_trace(mesh: Me
     assert re.search(r"  before rank 1 died: the default group \(ranks 0-2\): .*rank 1: #\d+ "
                      r"all_reduce\(float32\[8\]\) died in it", report.render()), report.render()
     _trace_keeps(mesh, tmp_path, 1, inc, "all_reduce(float32[8])", "<mnb-cell-54>")
+
+
+ALONE_UNTIL_KILLED = """\
+import os, signal, threading, time, torch, torch.distributed as dist, monarch_nb as mnb
+x = torch.ones(8)
+if mnb.rank() == 2:   # alone in it: the others wait for the test's flag
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    dist.all_reduce(x)
+while not os.path.exists(FLAG):
+    time.sleep(0.05)
+"""
+
+
+def test_a_death_in_a_call_still_running_is_in_collectives(mesh: Mesh, tmp_path: Path) -> None:
+    # the call runs on (ranks 0,1 wait for the flag); rank 2 is not back
+    # (its re-formation waits for them): its dead incarnation stands for it
+    flag = tmp_path / "go"
+    fut = mesh.exec_async(ALONE_UNTIL_KILLED.replace("FLAG", repr(str(flag))),
+                          name="<mnb-cell-55>")
+    try:
+        def dead_seen() -> object:
+            rep = mesh.collectives()
+            return rep if any(f.kind == "died" for f in rep.findings) else None
+
+        report = wait_for(dead_seen, timeout=30, interval=0.2, what="rank 2's death")
+        inc = _incarnation_died(mesh, 2)
+        _died_finding(report, 2, inc, "all_reduce(float32[8])", "<mnb-cell-55> line 5")
+        assert re.search(r"  the default group \(ranks 0-2\): ranks 0,1: (none yet|#\d+ "
+                         r"all_reduce\(float32\[\d+\]\) done); rank 2: #\d+ all_reduce\(float32\[8\]\) "
+                         r"died in it", str(report)), str(report)
+        assert not fut.done()
+    finally:
+        flag.touch()
+    with pytest.raises(RankErrors) as info:
+        fut.result(timeout=60)
+    assert isinstance(info.value.errors[2], RankDied), str(info.value)
+    _all_ready(mesh)
+    in_step(mesh)
