@@ -811,6 +811,9 @@ def test_a_death_in_a_call_still_running_is_in_collectives(mesh: Mesh, tmp_path:
         flag.touch()
     with pytest.raises(RankErrors) as info:
         fut.result(timeout=60)
-    assert isinstance(info.value.errors[2], RankDied), str(info.value)
+    # (RankDied, or, this late in the module, its restart budget spent)
+    assert set(info.value.errors) == {2} and "rank 2 died" in str(info.value), str(info.value)
+    if mesh.status()[2]["state"] == "failed":
+        mesh.restart(2)
     _all_ready(mesh)
     in_step(mesh)
