@@ -184,7 +184,10 @@ class _RankSet:
         per group, the last collective each rank reached; the first one
         where they called different collectives (op, dtypes, shapes) or the
         same one from different lines; a collective some ranks wait in that
-        others never entered, and where those are. Asked of each rank's
+        others never entered, and where those are. A rank that died in the
+        last call (or one still running) counts too: its persisted records
+        say where it died, and are lined up with the others' records of its
+        generation (``before rank 2 died: ...``). Asked of each rank's
         control thread, so it works while the ranks are stuck. (Calls that
         skip ``torch.distributed``'s functions, such as DDP's, are not seen.)
         ``records``: how many of each rank's newest records to read (the
@@ -217,7 +220,9 @@ class _RankSet:
         """Write a Chrome / Perfetto trace (JSON ``traceEvents``) of the
         recent past: per rank a track with its calls (cells, ``mesh.run``)
         and collectives, its ``mnb.log`` steps, and the mesh's deaths,
-        respawns and re-formations. Open it in https://ui.perfetto.dev or
+        respawns and re-formations; a respawned rank's earlier incarnations
+        (the call each died in, its last collectives) on the same track, so
+        its history does not start at its rebirth. Open it in https://ui.perfetto.dev or
         chrome://tracing. Returns ``path``."""
         stacks = self._flight(ranks, timeout)
         tails = {r: RankTail.from_wire(r, st.flight) for r, st in stacks.items()
@@ -225,7 +230,8 @@ class _RankSet:
         ctl = self._mesh._ctl
         steps = {r: ctl.metrics.step_marks(r) for r in tails}
         doc = timeline.chrome_trace(tails, self._mesh.events, steps,
-                                    title=f"monarch_nb mesh of {self._mesh.world_size}")
+                                    title=f"monarch_nb mesh of {self._mesh.world_size}",
+                                    earlier=ctl.inspector.dead_tails(tuple(stacks), every=True))
         with open(path, "w", encoding="utf-8") as f:
             json.dump(doc, f)
         return path

@@ -104,6 +104,9 @@ class Stacks(dict[int, RankStacks]):
     per finding (controller/analysis/collectives.py); printed first."""
 
     collectives: tuple[str, ...] | list[str] = ()  # (class default; set per instance)
+    # the persisted flight records of incarnations that died in the call
+    # (controller/inspector.py: Inspector.dead_tails), read with the live ones
+    dead: tuple[Any, ...] | list[Any] = ()  # (class default; set per instance)
 
     def groups(self) -> list[tuple[list[int], RankStacks]]:
         """Ranks whose main threads stand in the same place, with one

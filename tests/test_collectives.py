@@ -657,3 +657,163 @@ def test_a_rank_killed_by_the_oom_killer_in_its_cgroup(mesh: Mesh) -> None:
             return True
 
         wait_for(removed, timeout=30, interval=0.2, what=f"{cgroup} to empty")
+
+
+# -- dead incarnations in collectives() and the trace (issue 29.3) ------------------------
+def _all_ready(mesh: Mesh) -> None:
+    wait_for(lambda: all(s["state"] == "ready" for s in mesh.status()), timeout=90,
+             what="every rank back")
+
+
+def _incarnation_died(mesh: Mesh, rank: int) -> int:
+    return [e for e in mesh.events if e["kind"] == "died" and e["rank"] == rank][-1]["incarnation"]
+
+
+def _died_finding(report: Any, rank: int, incarnation: int, op: str, cell: str) -> str:
+    texts = [f.text for f in report.findings if f.kind == "died"]
+    found = [t for t in texts if re.fullmatch(
+        rf"rank {rank} died in #\d+ {re.escape(op)} from {re.escape(cell)} \(incarnation "
+        rf"{incarnation}; its persisted records\)", t)]
+    assert found, report.render()
+    return found[0]
+
+
+def _trace_keeps(mesh: Mesh, tmp_path: Path, rank: int, incarnation: int, op: str,
+                 cell: str) -> None:
+    """The trace has the dead incarnation's collective (ending in a 'died in'
+    instant) and its cell on the rank's tracks, where the new incarnation's
+    slices are too, with the death and respawn instants."""
+    in_step(mesh)  # the new incarnation makes a collective of its own
+    doc = json.loads(Path(mesh.trace(str(tmp_path / "dead.json"))).read_text())
+    check_chrome_trace(doc)
+    ev = doc["traceEvents"]
+    old = [e for e in ev if e["ph"] == "X" and e["args"].get("incarnation") == incarnation
+           and e["pid"] == rank]
+    coll = [e for e in old if e["args"].get("state") == "died in it"]
+    assert coll and coll[-1]["args"]["op"] == op and coll[-1]["name"].startswith(
+        op.split("(")[0] + " #"), old
+    calls = [e for e in old if e["name"] == cell]
+    assert calls and calls[-1]["args"]["state"] == "died", old
+    tids = {e["tid"] for e in ev if e["ph"] == "X" and e["pid"] == rank
+            and "incarnation" not in e["args"]}
+    assert {coll[-1]["tid"], calls[-1]["tid"]} <= tids, "the new incarnation's tracks"
+    inst = {(e["pid"], e["name"].split(":")[0]) for e in ev if e["ph"] == "i"}
+    assert {(rank, "died"), (rank, "respawned"),
+            (rank, f"died in {coll[-1]['name']}")} <= inst, inst
+
+
+def test_a_shape_mismatch_death_stays_in_collectives_and_the_trace(mesh: Mesh,
+                                                                  tmp_path: Path) -> None:
+    with pytest.raises(RankErrors) as info:
+        mesh.exec(MISMATCH, name="<mnb-cell-52>", timeout=60)
+    rank, _ = _died(info)
+    _all_ready(mesh)
+    inc = _incarnation_died(mesh, rank)
+    report = mesh.collectives()
+    shape = "float32[4]" if rank == 2 else "float32[8]"
+    _died_finding(report, rank, inc, f"all_reduce({shape})", "<mnb-cell-52> line 3")
+    # both sides: the dead incarnation's and the others' (of its generation)
+    mismatch = [f.text for f in report.findings if f.kind == "mismatch"]
+    assert any(re.fullmatch(
+        r"before ranks? [0-9,-]+ died: #\d+: ranks 0,1 called all_reduce\(float32\[8\]\) from "
+        r"<mnb-cell-52> line 3; rank 2 called all_reduce\(float32\[4\]\) from <mnb-cell-52> "
+        r"line 3", t) for t in mismatch), report.render()
+    assert any(t.rank == rank and t.dead == inc for t in report.dead)
+    assert "died in it" in report.render()
+    _trace_keeps(mesh, tmp_path, rank, inc, f"all_reduce({shape})", "<mnb-cell-52>")
+    # the next call finished: that death is no longer "this call's"
+    assert not [f for f in mesh.collectives().findings if f.kind == "died"]
+
+
+OTHER_OP_UNTIL_KILLED = """\
+import torch, torch.distributed as dist, monarch_nb as mnb
+x = torch.ones(8)
+if mnb.rank() == 2:
+    dist.broadcast(x, src=0)
+else:
+    dist.all_reduce(x)
+"""
+
+
+def test_a_different_op_killed_while_stuck_stays_in_collectives_and_the_trace(
+        mesh: Mesh, tmp_path: Path) -> None:
+    fut = mesh.exec_async(OTHER_OP_UNTIL_KILLED, name="<mnb-cell-53>")
+    try:
+        def stuck() -> bool:
+            return any(f.kind == "mismatch" and "broadcast" in f.text
+                       for f in mesh.collectives().findings)
+
+        wait_for(stuck, timeout=30, interval=0.2, what="the ranks stuck in different ops")
+        mesh.kill(2)
+        with pytest.raises(RankErrors) as info:
+            fut.result(timeout=60)
+    finally:
+        if not fut.done():
+            fut.cancel()
+    assert isinstance(info.value.errors[2], RankDied), str(info.value)
+    _all_ready(mesh)
+    inc = _incarnation_died(mesh, 2)
+    report = mesh.collectives()
+    _died_finding(report, 2, inc, "broadcast(float32[8], src=0)", "<mnb-cell-53> line 4")
+    mismatch = [f.text for f in report.findings if f.kind == "mismatch"]
+    assert any(re.fullmatch(
+        r"before rank 2 died: #\d+: ranks 0,1 called all_reduce\(float32\[8\]\) from "
+        r"<mnb-cell-53> line 6; rank 2 called broadcast\(float32\[8\], src=0\) from "
+        r"<mnb-cell-53> line 4", t) for t in mismatch), report.render()
+    _trace_keeps(mesh, tmp_path, 2, inc, "broadcast(float32[8], src=0)", "<mnb-cell-53>")
+
+
+def test_a_rank_killed_in_all_reduce_stays_in_collectives_and_the_trace(mesh: Mesh,
+                                                                       tmp_path: Path) -> None:
+    with pytest.raises(RankErrors) as info:
+        mesh.exec(KILLED_IN, name="<mnb-cell-54>", timeout=60)
+    assert isinstance(info.value.errors[1], RankDied), str(info.value)
+    _all_ready(mesh)
+    inc = _incarnation_died(mesh, 1)
+    report = mesh.collectives()
+    _died_finding(report, 1, inc, "all_reduce(float32[8])", "<mnb-cell-54> line 7")
+    # its generation's progress, its side named
+    assert re.search(r"  before rank 1 died: the default group \(ranks 0-2\): .*rank 1: #\d+ "
+                     r"all_reduce\(float32\[8\]\) died in it", report.render()), report.render()
+    _trace_keeps(mesh, tmp_path, 1, inc, "all_reduce(float32[8])", "<mnb-cell-54>")
+
+
+ALONE_UNTIL_KILLED = """\
+import os, signal, threading, time, torch, torch.distributed as dist, monarch_nb as mnb
+x = torch.ones(8)
+if mnb.rank() == 2:   # alone in it: the others wait for the test's flag
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    dist.all_reduce(x)
+while not os.path.exists(FLAG):
+    time.sleep(0.05)
+"""
+
+
+def test_a_death_in_a_call_still_running_is_in_collectives(mesh: Mesh, tmp_path: Path) -> None:
+    # the call runs on (ranks 0,1 wait for the flag); rank 2 is not back
+    # (its re-formation waits for them): its dead incarnation stands for it
+    flag = tmp_path / "go"
+    fut = mesh.exec_async(ALONE_UNTIL_KILLED.replace("FLAG", repr(str(flag))),
+                          name="<mnb-cell-55>")
+    try:
+        def dead_seen() -> object:
+            rep = mesh.collectives()
+            return rep if any(f.kind == "died" for f in rep.findings) else None
+
+        report = wait_for(dead_seen, timeout=30, interval=0.2, what="rank 2's death")
+        inc = _incarnation_died(mesh, 2)
+        _died_finding(report, 2, inc, "all_reduce(float32[8])", "<mnb-cell-55> line 5")
+        assert re.search(r"  the default group \(ranks 0-2\): ranks 0,1: (none yet|#\d+ "
+                         r"all_reduce\(float32\[\d+\]\) done); rank 2: #\d+ all_reduce\(float32\[8\]\) "
+                         r"died in it", str(report)), str(report)
+        assert not fut.done()
+    finally:
+        flag.touch()
+    with pytest.raises(RankErrors) as info:
+        fut.result(timeout=60)
+    # (RankDied, or, this late in the module, its restart budget spent)
+    assert set(info.value.errors) == {2} and "rank 2 died" in str(info.value), str(info.value)
+    if mesh.status()[2]["state"] == "failed":
+        mesh.restart(2)
+    _all_ready(mesh)
+    in_step(mesh)

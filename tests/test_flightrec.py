@@ -465,6 +465,109 @@ def test_the_recorders_are_read_while_calls_run_and_once_after() -> None:
     assert not w.due(9.0, busy=False) and not w.due(30.0, busy=False)
 
 
+
+# -- dead incarnations -----------------------------------------------------------------
+def _dead(rank: int, incarnation: int, *recs: OpRecord, call: dict[str, Any] | None = None,
+          died_at: float | None = None) -> RankTail:
+    """A dead incarnation's tail as the inspector makes it (flight.dead_tail)."""
+    wire = flight.dead_tail(call or {}, list(recs), incarnation, died_at)
+    return RankTail.from_wire(rank, json.loads(json.dumps(wire)))
+
+
+def _gen(r: OpRecord, generation: int) -> OpRecord:
+    return OpRecord(**{**r.__dict__, "generation": generation})
+
+
+def test_a_dead_incarnation_of_an_earlier_generation_is_lined_up_with_its_peers() -> None:
+    # rank 2 died in #5 of generation 0 (a shape the others did not use);
+    # it was respawned, the group re-formed (generation 1), and the others'
+    # rings still hold generation 0's records
+    done = [rec("all_reduce", s) for s in range(5)]
+    old = [*done, rec("all_reduce", 5, state="failed")]
+    new = [_gen(rec("all_reduce", 0, line=20), 1)]
+    tails = {r: RankTail(r, [*old, *new], {"0": (0, 1, 2)}, generation=1) for r in (0, 1)}
+    tails[2] = RankTail(2, list(new), {"0": (0, 1, 2)}, generation=1)  # the new incarnation
+    assert analyze(tails).ok  # without its dead incarnation nothing is seen
+    dead = _dead(2, 0, *done, rec("all_reduce", 5, "float32[4]", state="in flight"),
+                 call={"call": 9, "name": CELL, "t0": 0.0}, died_at=3.0)
+    assert dead.dead == 0 and dead.ops[-1].state == flight.DIED and dead.ops[-1].t1 is None
+    report = analyze(tails, dead=[dead])
+    assert report.summary() == [
+        "before rank 2 died: #5: ranks 0,1 called all_reduce(float32[8]) from <mnb-cell-7> "
+        "line 12; rank 2 called all_reduce(float32[4]) from <mnb-cell-7> line 12",
+        "rank 2 died in #5 all_reduce(float32[4]) from <mnb-cell-7> line 12 (incarnation 0; "
+        "its persisted records)"]
+    assert [f.kind for f in report.findings] == ["mismatch", "died"]
+    text = report.render()
+    assert ("  before rank 2 died: the default group (ranks 0-2): ranks 0,1: #5 "
+            "all_reduce(float32[8]) failed; rank 2: #5 all_reduce(float32[4]) died in it") in text
+    assert "  the default group (ranks 0-2): ranks 0-2: #0 all_reduce(float32[8]) done" in text
+    assert report.dead == [dead]
+    # a dead incarnation's records without a tensor of its own: "died" alone
+    agreeing = _dead(2, 0, *done, rec("all_reduce", 5, state="in flight"))
+    assert [f.kind for f in analyze(tails, dead=[agreeing]).findings] == ["died"]
+
+
+def test_a_dead_rank_that_is_not_back_stands_for_itself() -> None:
+    # respawn off: rank 2 did not answer; its persisted records are its last
+    # word, in the current generation: the others wait in #5, it died in #4
+    done = [rec("all_reduce", s) for s in range(5)]
+    tails = {r: tail(r, *done, rec("all_reduce", 5, state="in flight"), world=3)
+             for r in (0, 1)}
+    dead = _dead(2, 0, *done[:4], rec("all_reduce", 4, "float32[4]", state="in flight"))
+    report = analyze(tails, {}, {2: "dead"}, dead=[dead])
+    assert report.summary() == [
+        "#4: ranks 0,1 called all_reduce(float32[8]) from <mnb-cell-7> line 12; rank 2 called "
+        "all_reduce(float32[4]) from <mnb-cell-7> line 12",
+        "rank 2 died in #4 all_reduce(float32[4]) from <mnb-cell-7> line 12 (incarnation 0; its "
+        "persisted records)",
+        "ranks 0,1 wait in all_reduce #5 (<mnb-cell-7> line 12); rank 2 never entered it (its "
+        "last was #4 all_reduce): it is dead (incarnation 0)",
+        "rank 2 did not answer (dead)"]
+
+
+def test_the_hang_summary_has_the_dead() -> None:
+    from monarch_nb.controller.inspector import collective_summary
+
+    stacks = Stacks({0: RankStacks(0, "ok"), 1: RankStacks(1, "dead")})
+    assert collective_summary(stacks) == []  # no recorder answered, no dead: nothing to add
+    stacks.dead = [_dead(1, 3, rec("broadcast", 0, root=0, state="in flight"))]
+    assert collective_summary(stacks) == [
+        "rank 1 died in #0 broadcast(float32[8], src=0) from <mnb-cell-7> line 12 (incarnation "
+        "3; its persisted records)"]
+
+
+def test_the_trace_draws_earlier_incarnations_on_their_ranks_track() -> None:
+    t0 = 1_000.0
+    new = RankTail(1, [rec("all_reduce", 0, t0=t0 + 2.0, t1=t0 + 2.1)], {"0": (0, 1)},
+                   generation=1, now=t0 + 3.0, calls=[[9, CELL, t0 + 1.9, t0 + 2.2, "done"]])
+    dead = _dead(1, 0, rec("all_reduce", 3, t0=t0 + 0.1, t1=t0 + 0.2),
+                 rec("all_reduce", 4, "float32[4]", t0=t0 + 0.3, state="in flight"),
+                 call={"call": 7, "name": "<mnb-cell-6>", "t0": t0}, died_at=t0 + 0.5)
+    events = [{"time": t0 + 0.5, "rank": 1, "incarnation": 0, "kind": "died", "detail": ""},
+              {"time": t0 + 1.0, "rank": 1, "incarnation": 1, "kind": "respawned", "detail": ""}]
+    doc = json.loads(json.dumps(timeline.chrome_trace({1: new}, events, earlier=[dead])))
+    check_chrome_trace(doc)
+    ev = doc["traceEvents"]
+    assert {(e["pid"], e["args"]["name"]) for e in ev if e["name"] == "process_name"} == {
+        (1, "rank 1"), (2, "mesh")}
+    slices = [(e["tid"], e["name"], e["ts"], e["dur"], e["args"].get("incarnation"))
+              for e in ev if e["ph"] == "X"]
+    assert slices == [
+        (timeline.CALLS_TID, "<mnb-cell-6>", 0.0, 500000.0, 0),
+        (timeline.COLLECTIVES_TID, "all_reduce #3", 100000.0, 100000.0, 0),
+        (timeline.COLLECTIVES_TID, "all_reduce #4", 300000.0, 200000.0, 0),  # to its death
+        (timeline.CALLS_TID, CELL, 1900000.0, 300000.0, None),
+        (timeline.COLLECTIVES_TID, "all_reduce #0", 2000000.0, 100000.0, None)]
+    assert all(e["pid"] == 1 for e in ev if e["ph"] == "X")
+    inst = [(e["tid"], e["name"], e["ts"]) for e in ev if e["ph"] == "i"]
+    assert (timeline.COLLECTIVES_TID, "died in all_reduce #4", 500000.0) in inst
+    assert (timeline.CALLS_TID, "died", 500000.0) in inst
+    assert (timeline.CALLS_TID, "respawned", 1000000.0) in inst
+    died = next(e for e in ev if e["name"] == "all_reduce #4")
+    assert died["args"]["state"] == flight.DIED and died["args"]["op"] == "all_reduce(float32[4])"
+
+
 # -- the trace ---------------------------------------------------------------------------
 def test_chrome_trace_has_a_track_per_rank() -> None:
     t0 = 1_000.0

@@ -132,7 +132,7 @@ class Controller:
                                  default_output=lambda: self.default_output,
                                  notify=self._notify)
         self.inspector = Inspector(self.ranks, self.calls, self.io, self.codec, self._notify,
-                                   recovering=self._recovering)
+                                   recovering=self._recovering, supervisor=self.supervisor)
         self.caller = Caller(cfg, self.ranks, self.calls, self.io, self.codec, self.recovery,
                              self.inspector, self.dataplane)
         self.assembler = Assembler(self.calls, self.dataplane, self.metrics, self.io.send,
@@ -336,6 +336,7 @@ class Controller:
         if inspector.prompts or inspector.debug_focus:
             inspector.release_focus(call.call_id, -1)  # forget its debugger prompts
         call.output.flush(force=True, ranks=call.ranks)
+        inspector.call_over(call)  # its dead are the ones the analysis shows now
         # ranks of the call that owe nothing else are idle again
         for rank in call.ranks:
             if self.ranks[rank].state == RankState.BUSY and not self.calls.busy(rank):

@@ -45,8 +45,9 @@ from ..wire.metas import meta_of
 from ..wire.protocol import Codec, Kind, Message
 from ..wire.transport import IOLoop
 from .analysis import collectives
-from .calls.calltable import CallTable
+from .calls.calltable import CallTable, PendingCall
 from .calls.output import CallOutput
+from .life.events import EventKind
 from .life.rankstates import LIVE
 from .life.ranktable import RankInfo, RankTable
 
@@ -78,9 +79,13 @@ class Inspector:
     """Stack requests, the hang watchdog and the debugger relay of one mesh."""
 
     def __init__(self, ranks: RankTable, calls: CallTable, io: IOLoop, codec: Codec,
-                 notify: Callable[[], None], recovering: Callable[[int], bool]) -> None:
+                 notify: Callable[[], None], recovering: Callable[[int], bool],
+                 supervisor: Supervisor | None = None) -> None:
         self.ranks = ranks
         self.calls = calls
+        # its reaped processes keep their persisted flight records (flight.py)
+        self.supervisor = supervisor
+        self.last_call: int | None = None  # the newest user call that finished
         self.io = io
         self.codec = codec
         self._notify = notify
@@ -166,8 +171,45 @@ class Inspector:
         for r in req.ranks:
             req.result.setdefault(r, RankStacks(r, status="no answer"))
         stacks = Stacks(sorted(req.result.items()))
+        stacks.dead = self.dead_tails(req.ranks)
         stacks.collectives = collective_summary(stacks)
         req.on_done(stacks)
+
+    # -- dead incarnations ------------------------------------------------------------
+    def call_over(self, call: PendingCall) -> None:
+        """I/O thread: ``call`` finished; a user's call is "the last call"
+        whose dead the analysis shows (until the next one finishes)."""
+        if not call.internal:
+            self.last_call = call.call_id
+
+    def dead_tails(self, ranks: tuple[int, ...],
+                   every: bool = False) -> list[collectives.RankTail]:
+        """The persisted flight records of ``ranks``' ended incarnations,
+        oldest first, as recorder tails (``RankTail.dead`` set): those that
+        died in a call still running or in the last call that finished
+        (what ``mesh.collectives()`` and the hang watchdog add to the live
+        ranks' records), or, with ``every``, all of them (``mesh.trace()``:
+        a rank's whole history, not only since its rebirth)."""
+        sup = self.supervisor
+        if sup is None:
+            return []
+        calls = {c.call_id for c in self.calls} | {self.last_call}
+        chosen = set(ranks)
+        out = []
+        for proc in list(sup.history):
+            if proc.rank not in chosen or not proc.reaped:
+                continue
+            call, records = proc.flight
+            if not records and not call:
+                continue  # nothing persisted (a remote rank, or none made)
+            if not every and call.get("call") not in calls:
+                continue  # it died between calls, or in an earlier one
+            died_at = next((e.time for e in reversed(self.ranks.events)
+                            if e.rank == proc.rank and e.incarnation == proc.incarnation
+                            and e.kind in (EventKind.DIED, EventKind.FAILED_START)), None)
+            out.append(collectives.RankTail.from_wire(
+                proc.rank, flight.dead_tail(call, list(records), proc.incarnation, died_at)))
+        return out
 
     # -- hang watchdog ----------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -278,17 +320,19 @@ class Inspector:
 
 
 def collective_report(stacks: Stacks) -> collectives.CollectiveReport:
-    """What the ranks' flight recorders (sent with their stacks) say."""
+    """What the ranks' flight recorders (sent with their stacks) say, with
+    the persisted records of the incarnations that died in the call
+    (``stacks.dead``, :meth:`Inspector.dead_tails`)."""
     tails = {r: collectives.RankTail.from_wire(r, st.flight) for r, st in stacks.items()
              if st.flight is not None}
     silent = {r: st.status for r, st in stacks.items() if st.status != "ok"}
-    return collectives.analyze(tails, stacks, silent)
+    return collectives.analyze(tails, stacks, silent, stacks.dead)
 
 
 def collective_summary(stacks: Stacks) -> list[str]:
     """The findings printed first, when the recorders found something
     beyond silent ranks (the stacks show those already)."""
-    if not any(st.flight for st in stacks.values()):
+    if not any(st.flight for st in stacks.values()) and not stacks.dead:
         return []
     report = collective_report(stacks)
     return [f.text for f in report.findings if f.kind != "silent"]

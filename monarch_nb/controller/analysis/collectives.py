@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +117,7 @@ class GroupProgress:
     group: str
     members: tuple[int, ...]
     last: dict[int, OpRecord | None]  # member -> its newest record (None: none yet)
+    when: str = ""  # an earlier generation's: "before rank 2 died" (see analyze)
 
     def line(self) -> str:
         by: dict[tuple[Any, ...], list[int]] = {}
@@ -130,7 +131,8 @@ class GroupProgress:
                 parts.append(f"{label(ranks)}: none yet")
             else:
                 parts.append(f"{label(ranks)}: #{key[0]} {key[1]} {key[2]}")
-        return f"{group_label(self.group)} ({label(self.members)}): " + "; ".join(parts)
+        when = f"{self.when}: " if self.when else ""
+        return f"{when}{group_label(self.group)} ({label(self.members)}): " + "; ".join(parts)
 
 
 class _Printed:
@@ -160,6 +162,8 @@ class CollectiveReport(_Printed):
     # or where the wrappers recorded nothing)
     torch_groups: list[GroupProgress] = field(default_factory=list)
     silent: dict[int, str] = field(default_factory=dict)  # rank -> why it did not answer
+    # the persisted records of incarnations that died in the call (RankTail.dead set)
+    dead: list[RankTail] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -184,21 +188,38 @@ class CollectiveReport(_Printed):
         if self.torch_groups:
             lines.append(f"last collective per group in {TORCH_VIEW}:")
             lines.extend(f"  {g.line()}" for g in self.torch_groups)
-        if not any(t.ops or t.torch_ops for t in self.tails.values()):
+        if not any(t.ops or t.torch_ops for t in [*self.tails.values(), *self.dead]):
             lines.append("  (no collective recorded yet)")
         return "\n".join(lines)
 
 
 def analyze(tails: Mapping[int, RankTail], stacks: Mapping[int, RankStacks] | None = None,
-            silent: Mapping[int, str] | None = None) -> CollectiveReport:
+            silent: Mapping[int, str] | None = None,
+            dead: Iterable[RankTail] = ()) -> CollectiveReport:
     """Line the ranks' records up per group and say what disagrees.
     ``stacks`` (optional) say where a rank that never entered a collective
-    is; ``silent``: ranks that did not answer, and why."""
-    report = CollectiveReport(tails=dict(tails), silent=dict(silent or {}))
-    if not tails:
+    is; ``silent``: ranks that did not answer, and why.
+
+    ``dead``: the persisted records of rank incarnations that died in the
+    call (flight.dead_tail, ``RankTail.dead`` set). Each says where it died
+    (a ``died`` finding). A dead incarnation of the current generation
+    stands for its rank where that rank did not answer (it is not back);
+    one of an earlier generation (its rank was respawned and the group
+    re-formed since) is lined up with the other ranks' records of *its*
+    generation, so that what it disagreed on (a shape, an op) is found
+    with its side named, those findings and progress lines saying
+    ``before rank N died``."""
+    dead = [t for t in dead if t.dead is not None]
+    report = CollectiveReport(tails=dict(tails), silent=dict(silent or {}), dead=list(dead))
+    if not tails and not dead:
         return report
-    generation = max(t.generation for t in tails.values())
+    generation = max(t.generation for t in [*tails.values(), *dead])
     current = {r: t for r, t in tails.items() if t.generation == generation}
+    stacks = dict(stacks or {})
+    for t in dead:  # not back: the dead incarnation's records are the rank's last word
+        if t.generation == generation and t.rank not in current:
+            current[t.rank] = t
+            stacks[t.rank] = RankStacks(t.rank, status=f"dead (incarnation {t.dead})")
     members: dict[str, tuple[int, ...]] = {}
     for t in current.values():
         for name, ranks in t.groups.items():
@@ -212,11 +233,12 @@ def analyze(tails: Mapping[int, RankTail], stacks: Mapping[int, RankStacks] | No
                     for r in answered}
         last = {r: (recs[max(recs)] if recs else None) for r, recs in per_rank.items()}
         report.groups.append(GroupProgress(group, tuple(ranks), last))
-        report.findings.extend(_group_findings(group, ranks, per_rank, last, stacks or {},
-                                               current))
-    report.findings.extend(_death_findings(current))
+        report.findings.extend(_group_findings(group, ranks, per_rank, last, stacks, current))
+    report.findings.extend(_death_findings(dead))
     report.findings.extend(_p2p_findings(current))
-    _torch_findings(report, current, members, stacks or {})
+    _torch_findings(report, current, members, stacks)
+    _earlier_findings(report, tails, [t for t in dead if t.generation != generation], members,
+                      stacks)
     if silent:
         quiet = sorted(silent)
         reasons = sorted(set(silent.values()))
@@ -349,24 +371,55 @@ def _enqueued_findings(group: str, per_rank: dict[int, dict[int, OpRecord]],
 
 
 def _where(where: str) -> str:
-    return where if where.startswith(("in ", "idle")) else f"at {where}"
+    return where if where.startswith(("in ", "idle", "dead")) else f"at {where}"
 
 
-def _death_findings(tails: Mapping[int, RankTail]) -> list[Finding]:
+def _death_findings(dead: Iterable[RankTail]) -> list[Finding]:
     """A rank that died inside a collective (its persisted records): the
     others wait in it for a rank that will not come."""
     out = []
-    for r, t in sorted(tails.items()):
-        if t.dead is None:
-            continue
+    for t in sorted(dead, key=lambda t: (t.rank, t.dead or 0)):
         died = [rec for rec in t.ops if rec.state == DIED]
         if died:
             rec = died[-1]
             on = "" if rec.group == DEFAULT_GROUP else f" on {group_label(rec.group)}"
             out.append(Finding("died", rec.group, rec.seq,
-                               f"rank {r} died in #{rec.seq} {rec.describe()}{on} from "
+                               f"rank {t.rank} died in #{rec.seq} {rec.describe()}{on} from "
                                f"{rec.where()} (incarnation {t.dead}; its persisted records)"))
     return out
+
+
+def _earlier_findings(report: CollectiveReport, tails: Mapping[int, RankTail],
+                      dead: list[RankTail], members: Mapping[str, tuple[int, ...]],
+                      stacks: Mapping[int, RankStacks]) -> None:
+    """Dead incarnations of an earlier generation, lined up with the other
+    ranks' records of that generation (the survivors' rings still hold
+    them): the collective the rank died in, both sides."""
+    for gen in sorted({t.generation for t in dead}):
+        gone = {t.rank: t for t in dead if t.generation == gen}  # the newest death of each rank
+        view = {r: RankTail(r, t.collectives(gen), generation=gen)
+                for r, t in tails.items() if r not in gone}
+        view.update({r: RankTail(r, t.collectives(gen), generation=gen, dead=t.dead)
+                     for r, t in gone.items()})
+        view = {r: t for r, t in view.items() if t.ops}
+        when = f"before {label(sorted(gone))} died"
+        # the survivors are the same processes: where they are now is where
+        # they are; the dead are dead
+        where = {**stacks, **{r: RankStacks(r, status=f"dead (incarnation {t.dead})")
+                              for r, t in gone.items()}}
+        for group in sorted({rec.group for t in view.values() for rec in t.ops},
+                            key=lambda g: (len(g), g)):
+            used = [r for r, t in view.items() if any(rec.group == group for rec in t.ops)]
+            ranks = tuple(sorted(set(used) | (set(members.get(group, ())) & set(view))))
+            per_rank = {r: {rec.seq: rec for rec in view[r].ops if rec.group == group}
+                        for r in ranks}
+            last = {r: (recs[max(recs)] if recs else None) for r, recs in per_rank.items()}
+            if not any(r in gone for r in ranks):
+                continue  # the dead did not take part: the current view tells it
+            report.groups.append(GroupProgress(group, ranks, last, when))
+            for f in _group_findings(group, ranks, per_rank, last, where, view):
+                if f.kind != "waiting":
+                    report.findings.append(Finding(f.kind, f.group, f.seq, f"{when}: {f.text}"))
 
 
 def _p2p_findings(tails: Mapping[int, RankTail]) -> list[Finding]:
