@@ -456,14 +456,15 @@ class Mesh(_RankSet):
         sig = _signal(signal)
         ctl = self._live()
         info = ctl.ranks[r]
-        if info.state in (RankState.DEAD, RankState.FAILED):
+        if info.state in (RankState.DEAD, RankState.WAITING, RankState.FAILED, RankState.LOST):
             raise UsageError(f"rank {r} is already dead")
         proc = ctl.supervisor.procs.get(r)
         ctl.kill(r, sig)  # KILL/TERM: DYING at once, the next call waits for it
         if sig == signal_mod.SIGKILL and proc is not None:
             deadline = time.monotonic() + 5.0
             while time.monotonic() < deadline and ctl.supervisor.procs.get(r) is proc \
-                    and info.state not in (RankState.DEAD, RankState.FAILED, RankState.RESPAWNING):
+                    and info.state not in (RankState.DEAD, RankState.WAITING, RankState.FAILED,
+                                           RankState.LOST, RankState.RESPAWNING):
                 ctl.pump(0.05)
 
     def restart(self, rank: int | str = "all") -> None:
@@ -487,7 +488,7 @@ class Mesh(_RankSet):
                 "incarnation": info.incarnation, "device": info.device,
                 "heartbeat_age": round(now - info.last_heartbeat, 2) if info.last_heartbeat else None,
                 "exit": self._ctl.describe_exit(info.exitcode)
-                if info.state in (RankState.DEAD, RankState.FAILED) else "",
+                if info.state in (RankState.DEAD, RankState.WAITING, RankState.FAILED) else "",
                 "restarts": info.incarnation, "host": info.host,
                 **health_fields(info.health),
                 "steps_per_s": store.steps_per_s(info.rank, now), "step": store.last_step(info.rank),

@@ -154,12 +154,9 @@ def test_every_move_outside_the_transition_table_is_refused() -> None:
         for to in RankState:
             table = RankTable(1)
             table[0].state = frm  # set up the start state (the test's own business)
-            table[0].comes_back = True
             if to is frm or to in allowed:
                 table.move(0, to)
                 assert table[0].state is to
-                # a scheduled respawn does not outlive a move
-                assert table[0].comes_back is (to is frm)
             else:
                 with pytest.raises(IllegalTransition):
                     table.move(0, to)
@@ -170,6 +167,8 @@ def test_a_new_process_gets_new_identities_and_old_ones_match_nothing() -> None:
     table = RankTable(2)
     first = table.bind(1, 0).main_id
     assert table.lookup(first) is table[1]
+    table.move(1, RankState.READY)
+    table.respawning(1, 1)
     table.bind(1, 1)
     assert table.lookup(first) is None and table.lookup(table[1].ctl_id) is table[1]
 
@@ -277,7 +276,7 @@ class Story:
         self.sup = _Supervisor()
         self.io = _IO()
         self.notes: list[str] = []
-        self.policy = RestartPolicy(world, budget=budget)
+        self.policy = RestartPolicy(self.ranks, budget=budget)
         cfg = MeshConfig(n=world, backend="cpu", spare=False)
         self.rec = Recovery(cfg, self.ranks, self.calls, self.sup, self.io, _codec,  # type: ignore[arg-type]
                             self.policy, announce=self.notes.append,
@@ -332,7 +331,7 @@ def test_two_deaths_at_once_respawn_both_into_one_new_generation() -> None:
     s.ready(1)
     assert not call.sent
     s.ready(2)
-    assert call.sent and s.rec.generation == 2 == s.policy.generation == s.sup.generation
+    assert call.sent and s.rec.generation == 2 == s.ranks.generation == s.sup.generation
     assert s.ranks[1].incarnation == s.ranks[2].incarnation == 1
 
 
@@ -341,7 +340,7 @@ def test_a_kill_during_re_formation_waits_out_the_backoff_and_calls_wait_too() -
     s.die(1)  # first death: at once
     s.die(1)  # the new process dies before it is ready: backoff
     assert s.ranks.reform_pending() and s.rec.must_wait((0,))
-    assert s.ranks.coming_back(1) and s.ranks[1].state == RankState.DEAD
+    assert s.ranks.coming_back(1) and s.ranks[1].state == RankState.WAITING
     call = s.issue((0,))  # even a call to a survivor: its group is about to change
     assert not call.sent
     s.rec.tick(s.policy.next_deadline() or 0.0)

@@ -1,11 +1,15 @@
-"""The restart policy, driven by scripted events: no process is started."""
+"""A rank's life, driven by scripted events: the one state machine (rankstates.py),
+the rank table that owns it, and the restart policy that reads the table and answers
+with typed moves. No process is started."""
 
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 
+from monarch_nb.controller.life import rankstates
 from monarch_nb.controller.life.policy import (
     SPARE_DELAY_S,
     Action,
@@ -13,53 +17,89 @@ from monarch_nb.controller.life.policy import (
     GiveUp,
     HostLost,
     Kill,
+    Move,
     Probed,
-    RankPhase,
-    Ready,
     Reform,
     ReplaceStuck,
     Report,
     Respawn,
     RestartPolicy,
     RestartRequested,
-    Scheduled,
     SpareCheck,
     StartSpare,
+    Stimulus,
     Timer,
 )
-from monarch_nb.controller.life.rankstates import IllegalTransition, RankState
+from monarch_nb.controller.life.rankstates import TRANSITIONS, IllegalTransition, RankState
 from monarch_nb.controller.life.ranktable import RankTable
+
+S = RankState
+
+
+class Script:
+    """A started mesh's rank table and its policy. Each stimulus's actions are
+    carried to the table as recovery carries them (its moves through the
+    table's methods; Kill, Report, GiveUp, StartSpare touch processes and
+    calls only), so the next stimulus finds the table moved."""
+
+    def __init__(self, world: int, **kw: object) -> None:
+        self.t = RankTable(world)
+        for r in range(world):
+            self.t.move(r, S.READY)
+        self.p = RestartPolicy(self.t, **kw)  # type: ignore[arg-type]
+
+    def handle(self, event: Stimulus) -> list[Action]:
+        actions = self.p.handle(event)
+        for a in actions:
+            if isinstance(a, Move):
+                self.t.move(a.rank, a.to)
+            elif isinstance(a, Respawn):
+                self.t.respawning(a.rank, a.incarnation, a.host)
+            elif isinstance(a, ReplaceStuck):
+                self.t.respawning(a.rank, a.incarnation)
+            elif isinstance(a, Reform):
+                self.t.reformed(a.generation)
+        return actions
+
+    def ready(self, rank: int) -> None:
+        """Its new process said READY (recorded by recovery, not decided)."""
+        self.t.move(rank, S.READY)
+
+    def state(self, rank: int) -> RankState:
+        return self.t[rank].state
+
+    def states(self) -> list[RankState]:
+        return [info.state for info in self.t]
 
 
 def test_first_death_respawns_at_once_and_reforms_the_group() -> None:
-    p = RestartPolicy(world_size=4)
-    actions = p.handle(Died(1, now=10.0, cause="SIGKILL"))
-    assert actions == [Scheduled(1, at=10.0), Respawn(1, incarnation=1),
+    s = Script(4)
+    actions = s.handle(Died(1, now=10.0, cause="SIGKILL"))
+    assert actions == [Move(1, S.DEAD), Move(1, S.WAITING), Respawn(1, incarnation=1),
                        Reform(generation=1, ranks=(0, 1, 2, 3))]
-    assert p.phase(1) == RankPhase.RESPAWNING
-    assert p.handle(Ready(1, now=11.0)) == []
-    assert p.phase(1) == RankPhase.RUNNING and p.incarnation(1) == 1
+    assert s.state(1) == S.RESPAWNING and s.t[1].incarnation == 1 and s.t.generation == 1
+    s.ready(1)
+    assert s.states() == [S.READY] * 4
 
 
 def test_repeated_deaths_back_off_exponentially_with_jitter() -> None:
-    p = RestartPolicy(world_size=2, base=0.5, cap=30.0, rng=random.Random(7))
+    s = Script(2, base=0.5, cap=30.0, rng=random.Random(7))
     now = 0.0
     delays = []
     for k in range(5):
-        actions = p.handle(Died(0, now=now))
-        scheduled = actions[0]
-        assert isinstance(scheduled, Scheduled) and scheduled.rank == 0
-        if actions[1:]:  # immediate respawn (first death)
-            assert isinstance(actions[1], Respawn) and scheduled.at == now
+        actions = s.handle(Died(0, now=now))
+        assert actions[:2] == [Move(0, S.DEAD), Move(0, S.WAITING)]
+        if actions[2:]:  # immediate respawn (first death)
+            assert actions[2] == Respawn(0, 1)
             delays.append(0.0)
         else:
-            deadline = p.next_deadline()
-            assert deadline is not None and scheduled.at == deadline
+            deadline = s.p.next_deadline()
+            assert deadline is not None and s.state(0) == S.WAITING
             delays.append(deadline - now)
-            assert p.handle(Timer(now=deadline - 0.001)) == []  # not yet
-            actions = p.handle(Timer(now=deadline))
-            assert isinstance(actions[0], Respawn) and actions[0].incarnation == k + 1
-        p.handle(Ready(0, now=now + delays[-1] + 0.1))
+            assert s.handle(Timer(now=deadline - 0.001)) == []  # not yet
+            actions = s.handle(Timer(now=deadline))
+            assert actions[0] == Respawn(0, k + 1)
+        s.ready(0)
         now += delays[-1] + 1.0
     assert delays[0] == 0.0
     for k in range(1, 5):  # base * 2**(k-1), +/- 25 %
@@ -68,227 +108,343 @@ def test_repeated_deaths_back_off_exponentially_with_jitter() -> None:
 
 
 def test_budget_exhausted_gives_up_with_a_message_that_says_what_to_do() -> None:
-    p = RestartPolicy(world_size=2, budget=3, window=600.0, base=0.0)
+    s = Script(2, budget=3, window=600.0, base=0.0)
     for i in range(3):
-        p.handle(Died(1, now=float(i)))
-        p.handle(Timer(now=float(i)))
-        p.handle(Ready(1, now=float(i) + 0.5))
-    actions = p.handle(Died(1, now=4.0, cause="exit code 1"))
-    assert len(actions) == 1 and isinstance(actions[0], GiveUp)
-    assert "4 times within 600 s" in actions[0].reason
-    assert "%monarch restart 1" in actions[0].reason and "%monarch logs 1" in actions[0].reason
-    assert p.phase(1) == RankPhase.FAILED
-    assert p.handle(Timer(now=1000.0)) == []  # a failed rank is never respawned by itself
-    assert p.handle(Died(1, now=5.0)) == []
+        s.handle(Died(1, now=float(i)))
+        s.handle(Timer(now=float(i)))
+        s.ready(1)
+    actions = s.handle(Died(1, now=4.0, cause="exit code 1"))
+    assert actions[:2] == [Move(1, S.DEAD), Move(1, S.FAILED)] and len(actions) == 3
+    assert isinstance(actions[2], GiveUp)
+    assert "4 times within 600 s" in actions[2].reason
+    assert "%monarch restart 1" in actions[2].reason and "%monarch logs 1" in actions[2].reason
+    assert s.state(1) == S.FAILED and s.t.gone_for_good(1)
+    assert s.handle(Timer(now=1000.0)) == []  # a failed rank is never respawned by itself
+    assert s.handle(Died(1, now=5.0)) == []
 
 
 def test_budget_counts_only_deaths_inside_the_window() -> None:
-    p = RestartPolicy(world_size=1, budget=2, window=100.0, base=0.0)
+    s = Script(1, budget=2, window=100.0, base=0.0)
     for t in (0.0, 50.0, 200.0, 250.0):  # never more than 2 within 100 s
-        actions = p.handle(Died(0, now=t))
-        assert len(actions) > 1 and isinstance(actions[1], Respawn), (t, actions)
-        p.handle(Ready(0, now=t + 1))
+        actions = s.handle(Died(0, now=t))
+        assert Respawn(0, s.t[0].incarnation) in actions, (t, actions)
+        s.ready(0)
 
 
 def test_user_restart_revives_a_failed_rank_and_clears_its_record() -> None:
-    p = RestartPolicy(world_size=2, budget=0)
-    assert isinstance(p.handle(Died(0, now=1.0))[0], GiveUp)
-    actions = p.handle(RestartRequested((0,), now=2.0))
-    assert actions == [Scheduled(0, 2.0), Respawn(0, incarnation=1),
+    s = Script(2, budget=0)
+    assert isinstance(s.handle(Died(0, now=1.0))[-1], GiveUp)
+    actions = s.handle(RestartRequested((0,), now=2.0))
+    assert actions == [Move(0, S.WAITING), Respawn(0, incarnation=1),
                        Reform(generation=1, ranks=(0, 1))]
+    assert s.p.deaths[0] == []
 
 
 def test_user_restart_of_a_live_rank_kills_it_first() -> None:
-    p = RestartPolicy(world_size=3)
-    actions = p.handle(RestartRequested((2,), now=0.0))
-    assert actions == [Kill(2), Scheduled(2, 0.0), Respawn(2, 1), Reform(1, (0, 1, 2))]
+    s = Script(3)
+    actions = s.handle(RestartRequested((2,), now=0.0))
+    assert actions == [Kill(2), Move(2, S.DEAD), Move(2, S.WAITING), Respawn(2, 1),
+                       Reform(1, (0, 1, 2))]
     # the death we caused (of incarnation 0) is not a new failure
-    assert p.handle(Died(2, now=0.1, incarnation=0)) == []
-    assert p.phase(2) == RankPhase.RESPAWNING
+    assert s.handle(Died(2, now=0.1, incarnation=0)) == []
+    assert s.state(2) == S.RESPAWNING and s.p.deaths[2] == []
 
 
 def test_mode_off_reports_and_keeps_the_survivors() -> None:
-    p = RestartPolicy(world_size=3, mode="off")
-    actions = p.handle(Died(1, now=0.0, cause="SIGKILL"))
-    assert len(actions) == 1 and isinstance(actions[0], Report)
-    assert "respawn is off" in actions[0].message
-    assert p.phase(1) == RankPhase.DEAD and p.phase(0) == RankPhase.RUNNING
-    assert p.handle(Timer(now=99.0)) == []
+    s = Script(3, mode="off")
+    actions = s.handle(Died(1, now=0.0, cause="SIGKILL"))
+    assert actions[0] == Move(1, S.DEAD) and len(actions) == 2
+    assert isinstance(actions[1], Report) and "respawn is off" in actions[1].message
+    assert s.states() == [S.READY, S.DEAD, S.READY] and s.t.gone_for_good(1)
+    assert s.handle(Timer(now=99.0)) == []
+    assert s.handle(Died(1, now=100.0)) == []  # a second report of the same death
 
 
 def test_mode_all_replaces_every_rank() -> None:
-    p = RestartPolicy(world_size=3, mode="all")
-    actions = p.handle(Died(1, now=0.0))
-    assert actions == [Scheduled(1, 0.0), Kill(0), Scheduled(0, 0.0), Kill(2), Scheduled(2, 0.0),
+    s = Script(3, mode="all")
+    actions = s.handle(Died(1, now=0.0))
+    assert actions == [Move(1, S.DEAD), Move(1, S.WAITING),
+                       Kill(0), Move(0, S.DEAD), Move(0, S.WAITING),
+                       Kill(2), Move(2, S.DEAD), Move(2, S.WAITING),
                        Respawn(0, 1), Respawn(1, 1), Respawn(2, 1), Reform(1, (0, 1, 2))]
     # the deaths of the killed survivors are expected, not new failures
-    assert p.handle(Died(0, now=0.1, incarnation=0)) == []
-    assert p.handle(Died(2, now=0.1, incarnation=0)) == []
+    assert s.handle(Died(0, now=0.1, incarnation=0)) == []
+    assert s.handle(Died(2, now=0.1, incarnation=0)) == []
+    for r in range(3):
+        s.ready(r)
     # but a death of a new incarnation is a failure again
-    again = p.handle(Died(0, now=0.2, incarnation=1))
+    again = s.handle(Died(0, now=0.2, incarnation=1))
     assert Respawn(0, 2) in again and Kill(1) in again and Kill(2) in again
 
 
-
 def test_a_death_during_respawn_is_counted_and_backs_off() -> None:
-    p = RestartPolicy(world_size=2, base=1.0, rng=random.Random(1))
-    p.handle(Died(0, now=0.0))
-    assert p.phase(0) == RankPhase.RESPAWNING
-    waiting = p.handle(Died(0, now=0.2))  # the new process died before it was ready
-    assert len(waiting) == 1 and isinstance(waiting[0], Scheduled)
-    assert p.phase(0) == RankPhase.WAITING
-    deadline = p.next_deadline()
+    s = Script(2, base=1.0, rng=random.Random(1))
+    s.handle(Died(0, now=0.0))
+    assert s.state(0) == S.RESPAWNING
+    waiting = s.handle(Died(0, now=0.2))  # the new process died before it was ready
+    assert waiting == [Move(0, S.DEAD), Move(0, S.WAITING)]
+    assert s.state(0) == S.WAITING and s.t.reform_pending() and s.t.must_wait((1,))
+    deadline = s.p.next_deadline()
     assert deadline is not None and 0.2 + 0.75 <= deadline <= 0.2 + 1.25
-    actions = p.handle(Timer(now=deadline))
-    assert actions[0] == Respawn(0, 2) and actions[1] == Reform(2, (0, 1))
+    actions = s.handle(Timer(now=deadline))
+    assert actions == [Respawn(0, 2), Reform(2, (0, 1))]
 
 
-def test_two_deaths_at_once_form_one_new_generation() -> None:
-    p = RestartPolicy(world_size=4, base=0.0)
-    first = p.handle(Died(1, now=5.0))
-    second = p.handle(Died(3, now=5.0))
+def test_two_deaths_at_once_form_one_new_generation_each() -> None:
+    s = Script(4, base=0.0)
+    first = s.handle(Died(1, now=5.0))
+    second = s.handle(Died(3, now=5.0))
     assert first[-1] == Reform(1, (0, 1, 2, 3)) and second[-1] == Reform(2, (0, 1, 2, 3))
     assert [a for a in first + second if isinstance(a, Respawn)] == [Respawn(1, 1), Respawn(3, 1)]
+    assert s.t.generation == 2
 
 
 def test_unknown_mode_is_refused() -> None:
     with pytest.raises(ValueError):
-        RestartPolicy(world_size=1, mode="sometimes")
+        RestartPolicy(RankTable(1), mode="sometimes")
+
+
+def test_the_policy_decides_from_the_table_not_from_a_copy_of_its_own() -> None:
+    """A rank waiting out its backoff is stopped with the mesh (a move the
+    policy did not make): the policy sees it and respawns nothing."""
+    s = Script(2, base=1.0)
+    s.handle(Died(0, now=0.0))
+    s.ready(0)
+    s.handle(Died(0, now=1.0))
+    assert s.state(0) == S.WAITING and s.p.next_deadline() is not None
+    for r in range(2):
+        s.t.move(r, S.STOPPED)
+    assert s.p.next_deadline() is None
+    assert s.handle(Timer(now=99.0)) == []
+    assert s.handle(RestartRequested((0,), now=100.0)) == []  # stopped is final
+    assert s.handle(HostLost("h1", (0, 1), now=101.0, spare="h2")) == []
 
 
 # -- host-level moves, probes (the host agent's and recovery's events) -----------------------
 def test_host_lost_without_spare_moves_its_ranks_to_lost_without_spending_budget() -> None:
-    p = RestartPolicy(world_size=4, budget=1)
-    acts = p.handle(HostLost("h1", (1, 2), now=5.0))
-    assert acts == [Report(1, "rank 1 lost: host h1 lost"), Report(2, "rank 2 lost: host h1 lost")]
-    assert [p.phase(r) for r in range(4)] == [RankPhase.RUNNING, RankPhase.LOST,
-                                              RankPhase.LOST, RankPhase.RUNNING]
-    assert p.next_deadline() is None
-    assert p.handle(Died(1, now=6.0, cause="SIGKILL")) == []  # its death is old news
-    assert p.ranks[1].deaths == []  # no budget spent
-    acts = p.handle(RestartRequested((1, 2), now=7.0))  # a restart revives LOST ranks
-    assert [a for a in acts if isinstance(a, Respawn)] == [Respawn(1, 1), Respawn(2, 1)]
-    assert p.phase(1) == RankPhase.RESPAWNING
+    s = Script(4, budget=1)
+    acts = s.handle(HostLost("h1", (1, 2), now=5.0))
+    assert acts == [Move(1, S.LOST), Report(1, "rank 1 lost: host h1 lost"),
+                    Move(2, S.LOST), Report(2, "rank 2 lost: host h1 lost")]
+    assert s.states() == [S.READY, S.LOST, S.LOST, S.READY]
+    # gone, awaiting a host (a user's restart): calls to it are refused, not held
+    assert s.t.gone_for_good(1) and not s.t.coming_back(1) and not s.t.reform_pending()
+    assert s.p.next_deadline() is None and s.t.generation == 0
+    assert s.handle(Died(1, now=6.0, cause="SIGKILL")) == []  # its death is old news
+    assert s.p.deaths[1] == []  # no budget spent
+    acts = s.handle(RestartRequested((1, 2), now=7.0))  # a restart revives LOST ranks
+    assert acts == [Move(1, S.WAITING), Move(2, S.WAITING), Respawn(1, 1), Respawn(2, 1),
+                    Reform(1, (0, 1, 2, 3))]
+    assert s.state(1) == S.RESPAWNING
 
 
-def test_host_lost_with_a_spare_host_respawns_its_ranks_there() -> None:
-    p = RestartPolicy(world_size=3)
-    acts = p.handle(HostLost("h1", (0, 1), now=1.0, spare="h9"))
-    assert [a for a in acts if isinstance(a, Respawn)] == [Respawn(0, 1, host="h9"),
-                                                          Respawn(1, 1, host="h9")]
-    assert acts[-1] == Reform(1, (0, 1, 2))
-    assert p.phase(0) == RankPhase.RESPAWNING
-    assert p.handle(Died(0, now=2.0, incarnation=0)) == []  # the lost host's process
+def test_host_lost_with_a_spare_host_respawns_its_ranks_there_keeping_their_numbers() -> None:
+    s = Script(3)
+    s.t[0].host = s.t[1].host = "h1"
+    s.t[2].host = "h2"
+    acts = s.handle(HostLost("h1", (0, 1), now=1.0, spare="h9"))
+    assert acts == [Move(0, S.LOST), Report(0, "rank 0 lost: host h1 lost"),
+                    Move(1, S.LOST), Report(1, "rank 1 lost: host h1 lost"),
+                    Respawn(0, 1, host="h9"), Respawn(1, 1, host="h9"), Reform(1, (0, 1, 2))]
+    assert [(i.rank, i.state, i.incarnation, i.host) for i in s.t] == [
+        (0, S.RESPAWNING, 1, "h9"), (1, S.RESPAWNING, 1, "h9"), (2, S.READY, 0, "h2")]
+    assert s.p.deaths == [[], [], []]  # no budget spent
+    assert s.handle(Died(0, now=2.0, incarnation=0)) == []  # the lost host's process
 
 
-def test_probed_in_collective_replaces_a_running_member_only() -> None:
-    p = RestartPolicy(world_size=2)
-    assert p.handle(Probed(1, in_collective=False, now=1.0)) == []
-    assert p.handle(Probed(1, in_collective=True, now=1.0)) == [ReplaceStuck(1, 1)]
-    assert p.phase(1) == RankPhase.RESPAWNING and p.generation == 0
-    assert p.handle(Probed(1, in_collective=True, now=2.0)) == []  # already being replaced
+def test_host_lost_for_ranks_already_dead() -> None:
+    """Dead, failed or lost already: the host adds nothing (no report, no
+    respawn, no budget). Waiting out a backoff: lost, its respawn (due where
+    it was) cancelled, or moved to the spare host."""
+    s = Script(5, budget=0)
+    s.handle(Died(0, now=0.0))  # budget 0: FAILED
+    off = Script(1, mode="off")
+    off.handle(Died(0, now=0.0))  # respawn off: DEAD
+    assert off.handle(HostLost("h1", (0,), now=1.0, spare="h9")) == []
+    assert off.state(0) == S.DEAD
+    s.p.budget = 5
+    s.handle(Died(1, now=0.0))  # first death: respawned at once
+    s.handle(Died(1, now=0.1))  # again: WAITING out a backoff
+    assert s.states()[:2] == [S.FAILED, S.WAITING] and s.p.next_deadline() is not None
+    acts = s.handle(HostLost("h1", (0, 1), now=0.2))
+    assert acts == [Move(1, S.LOST), Report(1, "rank 1 lost: host h1 lost")]
+    assert s.states()[:2] == [S.FAILED, S.LOST] and s.p.next_deadline() is None
+    assert s.handle(Timer(now=99.0)) == []
+    assert s.handle(HostLost("h1", (0, 1), now=1.0)) == []  # lost twice: once is news
+    # with a spare host, a rank waiting out its backoff is respawned there now
+    s.handle(Died(2, now=2.0))
+    s.handle(Died(2, now=2.1))
+    assert s.state(2) == S.WAITING
+    acts = s.handle(HostLost("h2", (0, 2), now=2.2, spare="h9"))
+    assert acts == [Move(2, S.LOST), Report(2, "rank 2 lost: host h2 lost"),
+                    Respawn(2, 2, host="h9"), Reform(s.t.generation, (2, 3, 4))]
+    assert s.state(0) == S.FAILED and s.p.next_deadline() is None
+
+
+def test_host_lost_during_a_respawn_or_a_kill() -> None:
+    s = Script(3)
+    s.handle(Died(0, now=0.0))  # RESPAWNING
+    s.t.move(1, S.DYING)  # we sent it a KILL, its exit not seen yet
+    acts = s.handle(HostLost("h1", (0, 1), now=1.0))
+    assert acts == [Move(0, S.LOST), Report(0, "rank 0 lost: host h1 lost"),
+                    Move(1, S.LOST), Report(1, "rank 1 lost: host h1 lost")]
+    assert s.handle(Died(1, now=1.1, incarnation=0)) == []
+
+
+def test_probed_in_collective_replaces_a_live_member_only() -> None:
+    s = Script(2)
+    assert s.handle(Probed(1, in_collective=False, now=1.0)) == []
+    assert s.handle(Probed(1, in_collective=True, now=1.0)) == [ReplaceStuck(1, 1)]
+    assert s.state(1) == S.RESPAWNING and s.t[1].incarnation == 1 and s.t.generation == 0
+    assert s.handle(Probed(1, in_collective=True, now=2.0)) == []  # already being replaced
+
+
+# -- the state machine ----------------------------------------------------------------------
+def _path_to(target: RankState) -> list[RankState]:
+    """The shortest run of legal moves from STARTING to ``target``."""
+    came: dict[RankState, RankState | None] = {S.STARTING: None}
+    todo = deque([S.STARTING])
+    while todo:
+        at = todo.popleft()
+        for nxt in TRANSITIONS[at]:
+            if nxt not in came:
+                came[nxt] = at
+                todo.append(nxt)
+    assert target in came, f"{target} cannot be reached from STARTING"
+    path: list[RankState] = []
+    step: RankState | None = target
+    while step is not None and step is not S.STARTING:
+        path.append(step)
+        step = came[step]
+    return path[::-1]
+
+
+def test_every_allowed_move_is_reachable_and_every_other_one_refused() -> None:
+    """Walk the transition table through RankTable.move only: every state is
+    reached from a rank's first process, every allowed move made, every
+    other one refused (and leaves the state as it was)."""
+    made = refused = 0
+    for frm in RankState:
+        for to in RankState:
+            t = RankTable(1)
+            for step in _path_to(frm):
+                t.move(0, step)
+            assert t[0].state is frm
+            if to in TRANSITIONS[frm] or to is frm:
+                t.move(0, to)
+                assert t[0].state is to
+                made += 1
+            else:
+                with pytest.raises(IllegalTransition):
+                    t.move(0, to)
+                assert t[0].state is frm
+                refused += 1
+    assert made == sum(len(v) for v in TRANSITIONS.values()) + len(RankState)
+    assert made + refused == len(RankState) ** 2
+    assert TRANSITIONS[S.STOPPED] == frozenset()
+    assert all(S.STOPPED in TRANSITIONS[s] for s in RankState if s is not S.STOPPED)
+
+
+def test_the_diagram_names_every_state_and_the_sets_agree_with_the_table() -> None:
+    doc = rankstates.__doc__ or ""
+    assert all(s.name in doc for s in RankState)
+    # a rank without a process never takes a call, nor says READY
+    assert not rankstates.GONE & rankstates.LIVE
+    assert all(S.READY not in TRANSITIONS[s] for s in rankstates.GONE)
+    # only a respawn (or a user's restart, through WAITING) brings one back
+    assert all(TRANSITIONS[s] <= {S.WAITING, S.RESPAWNING, S.FAILED, S.LOST, S.STOPPED}
+               for s in rankstates.GONE)
 
 
 def test_dying_is_a_legal_state_and_illegal_moves_are_refused() -> None:
     t = RankTable(2)
-    t.move(0, RankState.READY)
-    t.move(0, RankState.DYING)
+    t.move(0, S.READY)
+    t.move(0, S.DYING)
     with pytest.raises(IllegalTransition):
-        t.move(0, RankState.READY)  # a dying process never takes calls again
-    t.move(0, RankState.DEAD)
+        t.move(0, S.READY)  # a dying process never takes calls again
+    t.move(0, S.DEAD)
     with pytest.raises(IllegalTransition):
-        t.move(1, RankState.FAILED)  # STARTING -> FAILED skips the death
+        t.move(1, S.FAILED)  # STARTING -> FAILED skips the death
+    with pytest.raises(IllegalTransition):
+        t.move(0, S.RESPAWNING)  # DEAD -> RESPAWNING skips the policy's WAITING
 
 
 # -- "is it coming back?": one answer, the rank table's ---------------------------------------
 def test_the_rank_table_answers_whether_a_rank_is_coming_back_in_every_state() -> None:
     t = RankTable(3)
     assert t.coming_back(0)  # STARTING: its first process is on its way
-    t.move(0, RankState.READY)
+    t.move(0, S.READY)
     assert not t.coming_back(0) and not t.must_wait((0,)) and not t.gone_for_good(0)
-    t.move(0, RankState.DYING)  # we killed it: respawned, calls wait
+    t.move(0, S.DYING)  # we killed it: respawned, calls wait
     assert t.coming_back(0) and t.must_wait((0,))
-    t.move(0, RankState.DEAD)  # before the policy's answer, or respawn off
+    t.move(0, S.DEAD)  # respawn off, or a first start that failed
     assert not t.coming_back(0) and t.gone_for_good(0) and not t.reform_pending()
-    t.schedule(0)  # the policy's Scheduled: waits out a backoff
+    t.move(0, S.WAITING)  # the policy scheduled its respawn: waits out a backoff
     assert t.coming_back(0) and not t.gone_for_good(0)
     assert t.reform_pending() and t.must_wait((1,))  # even a survivor's call waits
-    t.move(0, RankState.RESPAWNING)
-    assert t.coming_back(0) and not t.reform_pending() and not t[0].comes_back
-    t.move(0, RankState.DEAD)
-    t.move(0, RankState.FAILED)  # budget spent: gone until a user's restart
+    t.respawning(0, 1)
+    assert t.coming_back(0) and not t.reform_pending()
+    t.move(0, S.DEAD)
+    t.move(0, S.FAILED)  # budget spent: gone until a user's restart
     assert t.gone_for_good(0)
-    t.schedule(0)  # a user's restart of a failed rank
+    t.move(0, S.WAITING)  # a user's restart of a failed rank
     assert t.coming_back(0)
-    t.move(1, RankState.READY)
-    t.schedule(1)  # a live rank is not scheduled (the policy kills it first)
-    assert not t.coming_back(1)
-    t.move(2, RankState.STOPPED)
-    t.schedule(2)
+    t.move(1, S.READY)
+    t.move(1, S.LOST)  # its host is gone, no spare host
+    assert t.gone_for_good(1) and not t.coming_back(1)
+    t.move(2, S.STOPPED)
     assert t.gone_for_good(2)
 
 
-def _carry_out(t: RankTable, actions: list[Action]) -> None:
-    """What recovery does to the rank table for each action (no process)."""
-    for a in actions:
-        if isinstance(a, Scheduled):
-            t.schedule(a.rank)
-        elif isinstance(a, Respawn):
-            t.move(a.rank, RankState.RESPAWNING)
-            t[a.rank].incarnation = a.incarnation
-        elif isinstance(a, GiveUp):
-            t.move(a.rank, RankState.FAILED)
-        elif isinstance(a, Kill):
-            t.move(a.rank, RankState.DEAD)
-
-
 def test_policy_actions_drive_the_rank_tables_answer() -> None:
-    """Died -> Scheduled (+Respawn), mode off -> Report: the table, moved as
-    recovery moves it, says coming back exactly when the policy will respawn."""
+    """The table, moved by the policy's actions, says coming back exactly
+    when the policy will respawn."""
     for mode, back in (("rank", True), ("all", True), ("off", False)):
-        p = RestartPolicy(world_size=2, mode=mode, budget=2, base=1.0)
-        t = RankTable(2)
-        for r in range(2):
-            t.move(r, RankState.READY)
+        s = Script(2, mode=mode, budget=2, base=1.0)
         for death in range(3):
             now = 10.0 * death
-            t.move(0, RankState.DEAD)
-            _carry_out(t, p.handle(Died(0, now=now, incarnation=t[0].incarnation)))
+            s.handle(Died(0, now=now, incarnation=s.t[0].incarnation))
             expect = back and death < 2  # the third death is past the budget
-            assert t.coming_back(0) is expect, (mode, death)
-            assert p.phase(0) in ((RankPhase.WAITING, RankPhase.RESPAWNING) if expect
-                                  else (RankPhase.DEAD, RankPhase.FAILED))
+            assert s.t.coming_back(0) is expect, (mode, death)
+            assert s.state(0) in ((S.WAITING, S.RESPAWNING) if expect else (S.DEAD, S.FAILED))
             if not expect:
                 break
-            if t[0].state != RankState.RESPAWNING:  # waiting out a backoff
-                assert t.reform_pending() and t.must_wait((1,))
-                deadline = p.next_deadline()
+            if s.state(0) == S.WAITING:  # waiting out a backoff
+                assert s.t.reform_pending() and s.t.must_wait((1,))
+                deadline = s.p.next_deadline()
                 assert deadline is not None
-                _carry_out(t, p.handle(Timer(deadline)))
+                s.handle(Timer(deadline))
             for r in range(2):
-                if t[r].state == RankState.RESPAWNING:
-                    t.move(r, RankState.READY)
-                    p.handle(Ready(r, now=now + 5.0))
-            assert not t.coming_back(0) and not t.reform_pending()
+                if s.state(r) == S.RESPAWNING:
+                    s.ready(r)
+            assert not s.t.coming_back(0) and not s.t.reform_pending()
 
 
-def test_a_respawn_moves_the_rank_and_its_incarnation_only_forward() -> None:
+def test_incarnation_and_generation_move_only_forward_through_the_table() -> None:
     t = RankTable(1)
-    t.move(0, RankState.READY)
-    t.move(0, RankState.DEAD)
-    t.respawning(0, 1)
-    assert t[0].state == RankState.RESPAWNING and t[0].incarnation == 1
+    t.move(0, S.READY)
+    t.move(0, S.DEAD)
+    t.move(0, S.WAITING)
+    t.respawning(0, 1, host="h2")
+    assert (t[0].state, t[0].incarnation, t[0].host) == (S.RESPAWNING, 1, "h2")
     with pytest.raises(ValueError):
         t.respawning(0, 1)  # a second Respawn to the same incarnation is a bug
+    with pytest.raises(ValueError):
+        t.bind(0, 2)  # a process of an incarnation the table never gave
+    assert t.bind(0, 1).incarnation == 1
+    t.reformed(1)
+    with pytest.raises(ValueError):
+        t.reformed(1)
+    assert t.generation == 1
 
 
 def test_a_spare_is_started_once_settled_or_at_once_during_a_backoff() -> None:
-    p = RestartPolicy(world_size=2, base=1.0)
-    assert p.handle(SpareCheck(now=0.5, settled_for=0.5, all_live=True)) == []  # start-up
-    assert p.handle(SpareCheck(now=5.0, settled_for=SPARE_DELAY_S, all_live=False)) == []
-    assert p.handle(SpareCheck(now=5.0, settled_for=SPARE_DELAY_S, all_live=True)) == [StartSpare()]
-    p.handle(Died(0, now=10.0))  # first death: respawned at once, no backoff
-    p.handle(Died(0, now=10.1))  # its new process died too: a backoff starts
-    assert p.next_deadline() is not None
+    s = Script(2, base=1.0)
+    assert s.handle(SpareCheck(now=0.5, settled_for=0.5, all_live=True)) == []  # start-up
+    assert s.handle(SpareCheck(now=5.0, settled_for=SPARE_DELAY_S, all_live=False)) == []
+    assert s.handle(SpareCheck(now=5.0, settled_for=SPARE_DELAY_S, all_live=True)) == [StartSpare()]
+    s.handle(Died(0, now=10.0))  # first death: respawned at once, no backoff
+    s.handle(Died(0, now=10.1))  # its new process died too: a backoff starts
+    assert s.p.next_deadline() is not None
     # the wait is idle time: a spare now, settled or not
-    assert p.handle(SpareCheck(now=10.1, settled_for=0.0, all_live=False)) == [StartSpare()]
+    assert s.handle(SpareCheck(now=10.1, settled_for=0.0, all_live=False)) == [StartSpare()]

@@ -124,7 +124,7 @@ class Controller:
         self.stopped = False
         self._state_changed = threading.Condition()
         self._last_ping = 0.0
-        policy = RestartPolicy(world_size, mode=cfg.respawn, budget=cfg.restart_budget,
+        policy = RestartPolicy(self.ranks, mode=cfg.respawn, budget=cfg.restart_budget,
                                window=cfg.restart_window)
         self.recovery = Recovery(cfg, self.ranks, self.calls, self.supervisor, self.io,
                                  self.codec, policy, announce=self._announce,
@@ -403,7 +403,7 @@ class Controller:
 
     def _recovering(self, rank: int) -> bool:
         """``rank`` is being brought back (the hang watchdog waits meanwhile)."""
-        # DEAD: the moment before the policy's answer, or its calls are failed anyway
+        # DEAD: respawn off or a first start that failed: its calls are failed anyway
         return (self.ranks.coming_back(rank) or self.ranks[rank].state == RankState.DEAD
                 or rank in self.recovery.awaiting_reform or self.ranks.reform_pending())
 

@@ -41,7 +41,7 @@ MAX_EVENTS = 200
 # startup noise: a first incarnation starting and becoming ready is not news
 _QUIET = {"started", "ready"}
 # tile states that already show a rank down
-_DOWN = {"dead", "respawning", "failed", "stopped"}
+_DOWN = {"dead", "waiting", "respawning", "failed", "lost", "stopped"}
 
 
 class Throttle:

@@ -67,7 +67,7 @@ TARGET = "monarch_nb.mesh"
 MAX_HZ = 4.0
 REFRESH_S = 1.0  # while a mesh runs, resend at least this often (heartbeat ages)
 UP = ("ready", "busy")
-DOWN = ("dead", "failed")
+DOWN = ("dead", "waiting", "failed", "lost")
 
 
 def summarize(rows: list[dict[str, Any]], world: int, backend: str, running: bool) -> dict[str, Any]:

@@ -45,7 +45,7 @@ def format_status(mesh: Any) -> str:
         lines.append(f"{r['rank']:>4}  {r['state']:<10} {r['pid'] or '-':>7}  {r['incarnation']:>3}  "
                      f"{r['device'] or '-':<7} {hb:>9} {cpu:>6} {_bytes(r.get('rss')):>6}  "
                      f"{_gpu(r):<22} {sps:>8}  {tail}".rstrip())
-    dead = [r["rank"] for r in rows if r["state"] == "dead"]
+    dead = [r["rank"] for r in rows if r["state"] in ("dead", "waiting")]
     if dead:
         lines.append(f"dead: rank {format_ranks(dead)}")
     dropped = mesh.dropped

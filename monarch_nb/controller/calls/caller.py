@@ -171,6 +171,7 @@ class Caller:
             if self.ranks.gone_for_good(r):
                 why = ("its restart budget is spent" if state == RankState.FAILED
                        else "the mesh was stopped" if state == RankState.STOPPED
+                       else "its host was lost" if state == RankState.LOST
                        else describe_exit(info.exitcode))
                 raise MonarchError(
                     f"rank {r} is dead ({why}); select the live ranks with --ranks, "

@@ -1,29 +1,50 @@
-"""Restart policy: a pure state machine, stimuli in (what happened to a rank), actions out.
+"""Restart policy: pure, stimuli in (what happened to a rank), actions out.
 
 No processes, sockets, clocks or randomness of its own: time arrives inside
 stimuli and jitter comes from an injected ``random.Random``, so every decision
 is reproducible in a unit test with a scripted event sequence (as torch
 elastic tests its agent with scripted monitor results)::
 
-    policy = RestartPolicy(world_size=4, mode="rank")
+    table = RankTable(4)
+    policy = RestartPolicy(table, mode="rank")
     policy.handle(Died(rank=1, now=10.0, cause="SIGKILL"))
-    # -> [Scheduled(rank=1, at=10.0), Respawn(rank=1, incarnation=1),
+    # -> [Move(1, DEAD), Move(1, WAITING), Respawn(rank=1, incarnation=1),
     #     Reform(generation=1, ranks=(0, 1, 2, 3))]
 
-Per rank::
+A rank's state, incarnation and host, and the group's generation, are the
+rank table's (ranktable.py; the one state machine and its diagram are in
+rankstates.py). The policy reads them and answers with typed moves
+(:class:`Move`, :class:`Respawn`, :class:`ReplaceStuck`, :class:`Reform`)
+among its other actions; recovery carries them out through the table's
+methods, so the policy's next stimulus finds the table moved. Within one
+stimulus the policy decides on a private snapshot (its own moves so far),
+thrown away when it returns. Of its own it keeps only what no one else
+needs: each rank's deaths within the window (the restart budget) and the
+time its scheduled respawn is due (the backoff).
 
-    RUNNING --Died--> WAITING --(Timer >= at)--> RESPAWNING --Ready--> RUNNING
-       |                 |                                  \\--Died--> WAITING
-       |                 \\--(budget spent)--> FAILED (GiveUp; only restart() revives it)
-       \\--Died, mode "off"--> DEAD (Report)
-    (any but FAILED) --HostLost--> LOST (Report; no budget spent)
-                                   \\--spare host given--> RESPAWNING (Respawn(host=spare))
-    RUNNING --Probed(in_collective)--> RESPAWNING (ReplaceStuck: a new incarnation)
-    FAILED / LOST / DEAD --RestartRequested--> WAITING
+Decisions::
 
-Mesh-wide: ``SpareCheck`` -> ``StartSpare`` while a rank waits out its
-backoff, or once the mesh has been settled ``SPARE_DELAY_S`` with every rank
-live.
+    Died (a rank with a process)   -> Move DEAD, then
+        mode "off"                 -> Report (it stays DEAD, the survivors carry on)
+        budget spent               -> Move FAILED, GiveUp (only a restart revives it)
+        else                       -> Move WAITING, due after the backoff
+                                      (mode "all": every other rank with a process too,
+                                      Kill + Move DEAD + Move WAITING)
+    Timer (due)                    -> Respawn (RESPAWNING, incarnation + 1), Reform
+    RestartRequested               -> (Kill + Move DEAD if it has a process) Move WAITING,
+                                      due now, deaths forgotten
+    HostLost (a rank with a process, or WAITING)
+                                   -> Move LOST, Report (no budget spent); with a spare
+                                      host: Respawn(host=spare) keeping the rank number,
+                                      Reform. DEAD / FAILED / LOST / STOPPED: no change.
+    Probed (READY/BUSY, in a collective)  -> ReplaceStuck (RESPAWNING, incarnation + 1)
+    SpareCheck                     -> StartSpare while a rank waits out its backoff, or
+                                      once the mesh has been settled ``SPARE_DELAY_S``
+                                      with every rank live
+
+A Died of an incarnation the table has already replaced, or of a rank
+without a process (DEAD, WAITING, FAILED, LOST, STOPPED), is old news: no
+action.
 
 Modes: ``rank`` replaces only the dead rank; ``all`` replaces every rank
 (the survivors are restarted too, torchrun-style); ``off`` reports and keeps
@@ -34,29 +55,22 @@ capped at ``cap``. Budget: at most ``budget`` respawns of a rank within
 and what to do. A rank that stayed up for ``window`` seconds has a clean slate
 again, since its old deaths fall out of the window.
 
-Whether a rank is coming back is not asked of the policy: its actions
-(``Scheduled``, ``Respawn``, ``GiveUp``, ``Report``) move the rank table,
-which answers (:meth:`RankTable.coming_back`).
-
-Not here: *doing* any of it (controller/supervisor execute the actions).
+Not here: *doing* any of it (recovery.py carries the actions out), the
+states and their allowed moves (rankstates.py).
 """
 
 from __future__ import annotations
 
-import enum
 import random
 from dataclasses import dataclass, field
 
+from .rankstates import GONE, LIVE, RankState, check
+from .ranktable import RankTable
+
 SPARE_DELAY_S = 2.0  # settled this long before a spare process is started
 
-
-class RankPhase(str, enum.Enum):
-    RUNNING = "running"
-    WAITING = "waiting"  # dead, respawn scheduled
-    RESPAWNING = "respawning"  # new process started, not ready yet
-    DEAD = "dead"  # mode off: stays dead
-    FAILED = "failed"  # restart budget spent
-    LOST = "lost"  # its host is gone (not a failure of the rank: no budget spent)
+S = RankState
+_NO_PROCESS = GONE  # DEAD, WAITING, FAILED, LOST, STOPPED
 
 
 # -- stimuli: what happened to a rank (not the event log of life/events.py) --
@@ -71,12 +85,6 @@ class Died:
     now: float
     cause: str = ""
     incarnation: int | None = None
-
-
-@dataclass(frozen=True)
-class Ready:
-    rank: int
-    now: float
 
 
 @dataclass(frozen=True)
@@ -95,8 +103,8 @@ class Timer:
 @dataclass(frozen=True)
 class HostLost:
     """A host is gone with ``ranks`` on it (the host agent's report). With a
-    ``spare`` host they are respawned there at once, else they stay LOST
-    until a restart."""
+    ``spare`` host they are respawned there at once (same rank numbers),
+    else they stay LOST until a restart."""
 
     host: str
     ranks: tuple[int, ...]
@@ -125,38 +133,42 @@ class SpareCheck:
     all_live: bool
 
 
-Stimulus = Died | Ready | RestartRequested | Timer | HostLost | Probed | SpareCheck
+Stimulus = Died | RestartRequested | Timer | HostLost | Probed | SpareCheck
 
 
 # -- actions -----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Respawn:
+class Move:
+    """Move ``rank`` to ``to`` in the rank table (:meth:`RankTable.move`)."""
+
     rank: int
-    incarnation: int
-    host: str = ""  # where ("": where it was)
+    to: RankState
 
 
 @dataclass(frozen=True)
-class Scheduled:
-    """``rank`` is dead and coming back: its respawn is due ``at`` (a
-    Respawn follows then). The rank table records it (calls wait for it)."""
+class Respawn:
+    """``rank`` gets a new process, ``incarnation``, on ``host`` ("": where it
+    was): RESPAWNING in the table; started at the Reform that follows."""
 
     rank: int
-    at: float
+    incarnation: int
+    host: str = ""
 
 
 @dataclass(frozen=True)
 class Kill:
-    """Stop a live rank (mode ``all``: survivors are replaced too)."""
+    """Stop a rank's process (mode ``all``: survivors are replaced too; a
+    user's restart). A ``Move(rank, DEAD)`` follows."""
 
     rank: int
 
 
 @dataclass(frozen=True)
 class Reform:
-    """Form a new torch.distributed group (new store, new port) of ``ranks``."""
+    """Form a new torch.distributed group (new store, new port) of ``ranks``:
+    the table's next ``generation``."""
 
     generation: int
     ranks: tuple[int, ...]
@@ -164,6 +176,9 @@ class Reform:
 
 @dataclass(frozen=True)
 class GiveUp:
+    """The restart budget of ``rank`` is spent (it was moved FAILED): tell
+    the user ``reason`` and end the calls that wait for it."""
+
     rank: int
     reason: str
 
@@ -188,156 +203,161 @@ class StartSpare:
     """Start a spare process (torch imported, waiting to become a rank)."""
 
 
-Action = Scheduled | Respawn | Kill | Reform | GiveUp | Report | ReplaceStuck | StartSpare
+Action = Move | Respawn | Kill | Reform | GiveUp | Report | ReplaceStuck | StartSpare
 
 
-@dataclass
-class _Rank:
-    phase: RankPhase = RankPhase.RUNNING
-    incarnation: int = 0
-    deaths: list[float] = field(default_factory=list)  # times of deaths in the window
-    respawn_at: float | None = None
+class _Snapshot:
+    """The table as the policy's moves so far in one stimulus leave it: the
+    policy checks each move against the transition table as it makes it."""
+
+    def __init__(self, table: RankTable) -> None:
+        self.table = table
+        self.states: dict[int, RankState] = {}
+        self.incarnations: dict[int, int] = {}
+        self.actions: list[Action] = []
+
+    def state(self, rank: int) -> RankState:
+        return self.states.get(rank, self.table[rank].state)
+
+    def incarnation(self, rank: int) -> int:
+        return self.incarnations.get(rank, self.table[rank].incarnation)
+
+    def move(self, rank: int, to: RankState) -> None:
+        frm = self.state(rank)
+        if frm is not to:
+            check(rank, frm, to)
+            self.states[rank] = to
+            self.actions.append(Move(rank, to))
+
+    def respawn(self, rank: int, host: str = "") -> None:
+        self.move_only(rank, RankState.RESPAWNING)
+        self.incarnations[rank] = inc = self.incarnation(rank) + 1
+        self.actions.append(Respawn(rank, inc, host))
+
+    def move_only(self, rank: int, to: RankState) -> None:
+        """The state a typed move other than Move (Respawn, ReplaceStuck) makes."""
+        check(rank, self.state(rank), to)
+        self.states[rank] = to
+
+    def members(self) -> tuple[int, ...]:
+        return tuple(r for r in range(len(self.table)) if self.state(r) not in _NO_PROCESS)
 
 
 @dataclass
 class RestartPolicy:
-    world_size: int
+    """Decides about deaths, restarts, lost hosts and stuck members of the
+    ranks in ``table`` (read, never written: see the module docstring)."""
+
+    table: RankTable
     mode: str = "rank"
     budget: int = 5
     window: float = 600.0
     base: float = 0.5
     cap: float = 30.0
     rng: random.Random = field(default_factory=lambda: random.Random(0))
-    generation: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("rank", "all", "off"):
             raise ValueError(f"unknown respawn mode {self.mode!r}")
-        self.ranks = [_Rank() for _ in range(self.world_size)]
-
-    def phase(self, rank: int) -> RankPhase:
-        return self.ranks[rank].phase
-
-    def incarnation(self, rank: int) -> int:
-        return self.ranks[rank].incarnation
+        n = len(self.table)
+        self.deaths: list[list[float]] = [[] for _ in range(n)]  # times of deaths in the window
+        self._due: dict[int, float] = {}  # rank -> when its scheduled respawn is due
 
     def handle(self, event: Stimulus) -> list[Action]:
+        snap = _Snapshot(self.table)
         if isinstance(event, Died):
-            return self._died(event)
-        if isinstance(event, Ready):
-            r = self.ranks[event.rank]
-            if r.phase == RankPhase.RESPAWNING:
-                r.phase = RankPhase.RUNNING
-            return []
-        if isinstance(event, RestartRequested):
-            return self._restart(event)
-        if isinstance(event, HostLost):
-            return self._host_lost(event)
-        if isinstance(event, Probed):
-            r = self.ranks[event.rank]
-            if not event.in_collective or r.phase != RankPhase.RUNNING:
-                return []  # computing: looked at again later
-            return [ReplaceStuck(event.rank, self.replace(event.rank))]
-        if isinstance(event, SpareCheck):
-            return [StartSpare()] if self._spare_due(event) else []
-        return self._timer(event.now)
+            self._died(snap, event)
+        elif isinstance(event, RestartRequested):
+            self._restart(snap, event)
+        elif isinstance(event, HostLost):
+            self._host_lost(snap, event)
+        elif isinstance(event, Probed):
+            if event.in_collective and snap.state(event.rank) in LIVE:
+                snap.move_only(event.rank, RankState.RESPAWNING)
+                snap.actions.append(ReplaceStuck(event.rank, snap.incarnation(event.rank) + 1))
+            # else computing (looked at again later), or already being replaced
+        elif isinstance(event, SpareCheck):
+            if self._spare_due(event):
+                snap.actions.append(StartSpare())
+        else:
+            self._timer(snap, event.now)
+        return snap.actions
 
-    # -- transitions -----------------------------------------------------------
-    def _died(self, ev: Died) -> list[Action]:
-        r = self.ranks[ev.rank]
-        if ev.incarnation is not None and ev.incarnation < r.incarnation:
-            return []  # a process we already replaced
-        if r.phase in (RankPhase.DEAD, RankPhase.FAILED, RankPhase.WAITING, RankPhase.LOST):
-            return []  # already handled (a second report of the same death)
+    # -- decisions -------------------------------------------------------------
+    def _died(self, snap: _Snapshot, ev: Died) -> None:
+        rank = ev.rank
+        if ev.incarnation is not None and ev.incarnation < snap.incarnation(rank):
+            return  # a process we already replaced
+        if snap.state(rank) in _NO_PROCESS:
+            return  # already handled (a second report of the same death)
+        snap.move(rank, S.DEAD)
         if self.mode == "off":
-            r.phase = RankPhase.DEAD
-            return [Report(ev.rank, f"rank {ev.rank} died ({ev.cause}); respawn is off, "
-                                    "the survivors carry on")]
-        r.deaths = [t for t in r.deaths if ev.now - t < self.window] + [ev.now]
-        if len(r.deaths) > self.budget:
-            r.phase = RankPhase.FAILED
-            return [GiveUp(ev.rank, (
-                f"rank {ev.rank} died {len(r.deaths)} times within {self.window:g} s "
+            snap.actions.append(Report(rank, f"rank {rank} died ({ev.cause}); respawn is off, "
+                                             "the survivors carry on"))
+            return
+        deaths = self.deaths[rank] = [t for t in self.deaths[rank] if ev.now - t < self.window] + [ev.now]
+        if len(deaths) > self.budget:
+            snap.move(rank, S.FAILED)
+            snap.actions.append(GiveUp(rank, (
+                f"rank {rank} died {len(deaths)} times within {self.window:g} s "
                 f"(last: {ev.cause}); not respawning it again. Fix the cause (see "
-                f"%monarch logs {ev.rank}), then %monarch restart {ev.rank}"))]
-        r.phase = RankPhase.WAITING
-        r.respawn_at = at = ev.now + self._delay(len(r.deaths))
-        actions: list[Action] = [Scheduled(ev.rank, at)]
+                f"%monarch logs {rank}), then %monarch restart {rank}")))
+            return
+        at = ev.now + self._delay(len(deaths))
+        self._wait(snap, rank, at)
         if self.mode == "all":
-            for other, o in enumerate(self.ranks):
-                if other != ev.rank and o.phase in (RankPhase.RUNNING, RankPhase.RESPAWNING):
-                    o.phase = RankPhase.WAITING
-                    o.respawn_at = at
-                    actions += [Kill(other), Scheduled(other, at)]
-        return actions + self._timer(ev.now)
+            for other in range(len(self.table)):
+                if other != rank and snap.state(other) not in _NO_PROCESS:
+                    snap.actions.append(Kill(other))
+                    snap.move(other, S.DEAD)
+                    self._wait(snap, other, at)
+        self._timer(snap, ev.now)
 
-    def _restart(self, ev: RestartRequested) -> list[Action]:
-        actions: list[Action] = []
-        for rank in ev.ranks:
-            r = self.ranks[rank]
-            if r.phase in (RankPhase.RUNNING, RankPhase.RESPAWNING):
-                actions.append(Kill(rank))
-            r.deaths = []  # a deliberate restart is not a failure
-            r.phase = RankPhase.WAITING
-            r.respawn_at = ev.now
-            actions.append(Scheduled(rank, ev.now))
-        return actions + self._timer(ev.now)
+    def _wait(self, snap: _Snapshot, rank: int, at: float) -> None:
+        snap.move(rank, S.WAITING)
+        self._due[rank] = at
 
-    def _host_lost(self, ev: HostLost) -> list[Action]:
-        actions: list[Action] = []
-        moved = []
+    def _restart(self, snap: _Snapshot, ev: RestartRequested) -> None:
         for rank in ev.ranks:
-            r = self.ranks[rank]
-            if r.phase in (RankPhase.FAILED, RankPhase.LOST):
+            state = snap.state(rank)
+            if state is S.STOPPED:
                 continue
-            r.phase = RankPhase.LOST  # no death in the window: the host failed, not the rank
-            r.respawn_at = None
-            moved.append(rank)
-            actions.append(Report(rank, f"rank {rank} lost: host {ev.host} lost"))
-        if ev.spare is None or not moved:
-            return actions
-        for rank in moved:
-            r = self.ranks[rank]
-            r.phase = RankPhase.RESPAWNING
-            r.incarnation += 1
-            actions.append(Respawn(rank, r.incarnation, host=ev.spare))
-        self.generation += 1
-        actions.append(Reform(self.generation, self._members()))
-        return actions
+            if state not in _NO_PROCESS:
+                snap.actions.append(Kill(rank))
+                snap.move(rank, S.DEAD)
+            self.deaths[rank] = []  # a deliberate restart is not a failure
+            self._wait(snap, rank, ev.now)
+        self._timer(snap, ev.now)
 
-    def _members(self) -> tuple[int, ...]:
-        return tuple(i for i, r in enumerate(self.ranks)
-                     if r.phase in (RankPhase.RUNNING, RankPhase.RESPAWNING))
+    def _host_lost(self, snap: _Snapshot, ev: HostLost) -> None:
+        lost = []
+        for rank in ev.ranks:
+            if snap.state(rank) in (S.DEAD, S.FAILED, S.LOST, S.STOPPED):
+                continue  # gone already: the host adds nothing (a restart decides)
+            # no death in the window: the host failed, not the rank
+            snap.move(rank, S.LOST)
+            self._due.pop(rank, None)  # a respawn due where it was: not there
+            lost.append(rank)
+            snap.actions.append(Report(rank, f"rank {rank} lost: host {ev.host} lost"))
+        if ev.spare is None or not lost:
+            return
+        for rank in lost:
+            snap.respawn(rank, host=ev.spare)
+        snap.actions.append(Reform(self.table.generation + 1, snap.members()))
 
-    def _timer(self, now: float) -> list[Action]:
-        due = [i for i, r in enumerate(self.ranks)
-               if r.phase == RankPhase.WAITING and r.respawn_at is not None and r.respawn_at <= now]
+    def _timer(self, snap: _Snapshot, now: float) -> None:
+        due = sorted(r for r, at in self._due.items()
+                     if at <= now and snap.state(r) is S.WAITING)
         if not due:
-            return []
-        actions: list[Action] = []
+            return
         for rank in due:
-            r = self.ranks[rank]
-            r.phase = RankPhase.RESPAWNING
-            r.respawn_at = None
-            r.incarnation += 1
-            actions.append(Respawn(rank, r.incarnation))
-        self.generation += 1
-        actions.append(Reform(self.generation, self._members()))
-        return actions
-
-    def replace(self, rank: int) -> int:
-        """The controller replaced a live rank's process itself (a survivor
-        stuck in a collective with a peer that gave up): a new incarnation in
-        the current generation, not a failure. Returns the incarnation."""
-        r = self.ranks[rank]
-        r.incarnation += 1
-        r.phase = RankPhase.RESPAWNING
-        return r.incarnation
+            del self._due[rank]
+            snap.respawn(rank)
+        snap.actions.append(Reform(self.table.generation + 1, snap.members()))
 
     def next_deadline(self) -> float | None:
         """When the controller should send the next Timer, if ever."""
-        times = [r.respawn_at for r in self.ranks
-                 if r.phase == RankPhase.WAITING and r.respawn_at is not None]
+        times = [at for r, at in self._due.items() if self.table[r].state is S.WAITING]
         return min(times) if times else None
 
     def _spare_due(self, ev: SpareCheck) -> bool:

@@ -1,9 +1,13 @@
 """The rank table: one record per rank, the socket identities of its
-current process, and the only way to change a rank's state.
+current process, the group's generation, and the only way to change them.
 
 A record (:class:`RankInfo`) says what the controller knows of a rank's
 current process. :meth:`RankTable.move` is the one place its state changes,
-checked against the transition table (rankstates.py). Messages are matched
+checked against the transition table (rankstates.py); a rank's incarnation
+and host change with its respawn (:meth:`RankTable.respawning`), the
+generation with a re-formation (:meth:`RankTable.reformed`): each only
+forward. The restart policy reads the table to decide; recovery carries its
+moves out through these methods. Messages are matched
 to a rank by the socket identity of its current process
 (:meth:`RankTable.bind` gives each new process fresh ones, so an old
 incarnation's stragglers match nothing).
@@ -33,12 +37,9 @@ class RankInfo:
     incarnation: int = 0
     token: str = ""  # random part of the socket identities of this incarnation
     state: RankState = RankState.STARTING  # changed only by RankTable.move
-    # its respawn is scheduled (the policy's Scheduled): GONE now, back after a
-    # backoff. Set by RankTable.schedule, cleared by every move.
-    comes_back: bool = False
     pid: int | None = None
     device: str = ""
-    host: str = ""
+    host: str = ""  # where it runs: its HELLO's; a respawn elsewhere sets it
     last_heartbeat: float = 0.0
     exitcode: int | None = None
     silent_for: float | None = None  # killed by us for missing heartbeats
@@ -63,6 +64,18 @@ class RankTable:
         self._ranks = [RankInfo(r) for r in range(world_size)]
         self._by_ident: dict[bytes, RankInfo] = {}
         self.events: list[Event] = []
+        self._generation = 0  # of the torch.distributed group: RankTable.reformed
+
+    @property
+    def generation(self) -> int:
+        """The group's generation (0: the first group; each re-formation +1)."""
+        return self._generation
+
+    def reformed(self, generation: int) -> None:
+        """The policy's Reform: the group's next generation."""
+        if generation <= self._generation:
+            raise ValueError(f"generation {generation} after {self._generation}")
+        self._generation = generation
 
     def __getitem__(self, rank: int) -> RankInfo:
         return self._ranks[rank]
@@ -79,29 +92,19 @@ class RankTable:
         if info.state is not to:
             check(rank, info.state, to)
             info.state = to
-            info.comes_back = False
-
-    def schedule(self, rank: int) -> None:
-        """The policy scheduled ``rank``'s respawn (it waits out a backoff):
-        it stays DEAD (or FAILED, for a user's restart) until its Respawn, but
-        it is coming back."""
-        info = self._ranks[rank]
-        if info.state in (RankState.DEAD, RankState.FAILED):
-            info.comes_back = True
 
     # -- the one answer to "is it coming back?" --------------------------------------
     def coming_back(self, rank: int) -> bool:
         """Will ``rank`` have a process that takes calls without anyone
         asking? Its process is on its way (STARTING, RESPAWNING), on its way
         out at our request (DYING: it is respawned), or its respawn is
-        scheduled. Not: live, stopped, failed, or dead with respawn off."""
-        info = self._ranks[rank]
-        return info.state in WAIT_FOR or info.comes_back
+        scheduled (WAITING). Not: live, stopped, failed, lost, or dead."""
+        return self._ranks[rank].state in WAIT_FOR
 
     def reform_pending(self) -> bool:
-        """A rank waits out its backoff: the group is about to be re-formed,
-        so a call sent to its members now would run on the old group."""
-        return any(info.comes_back for info in self._ranks)
+        """A rank waits out its backoff (WAITING): the group is about to be
+        re-formed, so a call sent to its members now would run on the old group."""
+        return any(info.state is RankState.WAITING for info in self._ranks)
 
     def must_wait(self, ranks: tuple[int, ...]) -> bool:
         """A call to ``ranks`` must not be sent now: one of them is coming
@@ -112,22 +115,29 @@ class RankTable:
         """No process, and none coming unless the user restarts it."""
         return self._ranks[rank].state in GONE and not self.coming_back(rank)
 
-    def respawning(self, rank: int, incarnation: int) -> None:
-        """The policy's Respawn: ``rank`` gets a new process, ``incarnation``
-        (started at the re-formation that follows)."""
+    def respawning(self, rank: int, incarnation: int, host: str = "") -> None:
+        """The policy's Respawn or ReplaceStuck: ``rank`` gets a new process,
+        ``incarnation`` (on ``host``; "": where it was), started at the
+        re-formation that follows (ReplaceStuck: at once)."""
         info = self._ranks[rank]
         if incarnation <= info.incarnation:
             raise ValueError(f"rank {rank}: incarnation {incarnation} after {info.incarnation}")
         self.move(rank, RankState.RESPAWNING)
         info.incarnation = incarnation
+        if host:
+            info.host = host
 
     def bind(self, rank: int, incarnation: int) -> RankInfo:
         """A new process for ``rank``: fresh socket identities (the old
-        ones' stragglers are ignored from now on) and a clean record."""
+        ones' stragglers are ignored from now on) and a clean record.
+        ``incarnation`` is the table's (0, or the one its :meth:`respawning`
+        set): said again so that a mix-up is loud."""
         info = self._ranks[rank]
+        if incarnation != info.incarnation:
+            raise ValueError(f"rank {rank}: a process of incarnation {incarnation}, "
+                             f"the table says {info.incarnation}")
         self._by_ident.pop(info.main_id, None)
         self._by_ident.pop(info.ctl_id, None)
-        info.incarnation = incarnation
         info.token = secrets.token_hex(8)
         info.main_id = f"{info.identity}.main".encode()
         info.ctl_id = f"{info.identity}.ctl".encode()

@@ -23,10 +23,15 @@ A rank whose budget is spent (GiveUp) ends the calls that wait for it: an
 elastic call cannot finish without it, so its survivors are interrupted and
 the call fails at once with the reason and what to do.
 
+Here facts are recorded as they are seen (a READY: READY; our own kill
+signal: DYING; a first start that failed: DEAD) and the policy's actions
+are carried out, its typed moves through the rank table's methods
+(:meth:`apply`); nothing here decides where a rank goes next.
+
 State owned here: the members awaiting a re-formation, the time the mesh
-last settled. Not here: the generation (the policy's, which decides it;
-:attr:`generation` reads it), a rank's state and incarnation (the rank
-table's, changed through its methods), the group new processes join (the
+last settled. Not here: a rank's state, incarnation and host and the
+group's generation (the rank table's, moved by the policy's actions;
+:attr:`generation` reads it), the group new processes join (the
 supervisor's, set by :meth:`Supervisor.reform`). Runs on the thread that leads the I/O loop.
 
 Non-goals: deciding (policy.py), messages (core.py), calls (calltable.py).
@@ -57,15 +62,14 @@ from .policy import (
     GiveUp,
     HostLost,
     Kill,
+    Move,
     Probed,
-    Ready,
     Reform,
     ReplaceStuck,
     Report,
     Respawn,
     RestartPolicy,
     RestartRequested,
-    Scheduled,
     SpareCheck,
     StartSpare,
     Timer,
@@ -105,8 +109,8 @@ class Recovery:
 
     @property
     def generation(self) -> int:
-        """The group's generation: the policy's (it decides each Reform)."""
-        return self.policy.generation
+        """The group's generation (the rank table's; the policy decides each Reform)."""
+        return self.ranks.generation
 
     # -- processes ----------------------------------------------------------------
     def start_process(self, rank: int, incarnation: int) -> None:
@@ -148,7 +152,6 @@ class Recovery:
         self.requested.discard(rank)  # a death on the way back is news again
         self.settled_at = time.monotonic()
         was_starting = info.state == RankState.STARTING and not self.started
-        self.ranks.move(rank, RankState.DEAD)
         detail = describe_exit(code)
         hint = self.supervisor.death_hint(rank, info.health)  # deathcause.py
         if hint:
@@ -160,16 +163,17 @@ class Recovery:
         self.ranks.record(rank, EventKind.FAILED_START if was_starting else EventKind.DIED, detail)
         died = self.died_error(info)
         if self.stopped or was_starting:
+            self.ranks.move(rank, RankState.DEAD)  # not the policy's: nothing comes back
             self.calls.fail(rank, died, coming_back=False)
             return
         cause = signal_name(code) or f"exit code {code}"
         if info.silent_for is not None:
             cause = "missed heartbeats"
         host = self.supervisor.lost_host(rank)
-        if host:  # its host is gone: not a crash to retry there (agents.py)
+        if host:  # its host is gone: not a crash to retry there (agents.py): LOST
             actions = self.policy.handle(HostLost(host, (rank,), time.monotonic(),
                                                   self.supervisor.replacement_host(host)))
-        else:
+        else:  # the policy moves it DEAD, then WAITING / FAILED (or keeps it DEAD)
             actions = self.policy.handle(Died(rank, time.monotonic(), cause, info.incarnation))
         self._announce(f"monarch_nb: {died.headline}")
         self.apply(actions)  # first: a GiveUp ends the calls with its own reason
@@ -186,7 +190,6 @@ class Recovery:
         self.ranks.record(info.rank, EventKind.READY, info.device)
         if not self.started:
             return
-        self.policy.handle(Ready(info.rank, info.ready_at))
         self._replay_setup(info)
         for call in self.calls.reissue(info.rank):  # after the setup: first in, first out
             self.ranks.move(info.rank, RankState.BUSY)
@@ -214,7 +217,7 @@ class Recovery:
             return
         in_collective = RankStacks(info.rank, "ok", threads).collective()
         if in_collective and info.state in LIVE and self.supervisor.procs.get(info.rank):
-            # the policy decides (a new incarnation); replace_stuck carries it out
+            # the policy decides (a new incarnation); _replace_stuck carries it out
             self.apply(self.policy.handle(Probed(info.rank, True, time.monotonic())))
         else:  # busy computing: leave it, look again later
             self.awaiting_reform[info.rank] = time.monotonic() + REFORM_GRACE_S
@@ -278,8 +281,12 @@ class Recovery:
 
     # -- the policy's actions ---------------------------------------------------------
     def apply(self, actions: list[Action]) -> None:
+        """Carry the policy's actions out, in order: its moves through the
+        rank table's methods, the rest with processes, sockets and calls."""
         for action in actions:
-            if isinstance(action, Report):
+            if isinstance(action, Move):
+                self.ranks.move(action.rank, action.to)
+            elif isinstance(action, Report):
                 self._announce(f"monarch_nb: {action.message}")
                 info = self.ranks[action.rank]
                 self.calls.fail(action.rank, self.died_error(info), coming_back=False)
@@ -287,32 +294,29 @@ class Recovery:
                 self._give_up(action)
             elif isinstance(action, Kill):
                 self._kill(action.rank)
-            elif isinstance(action, Scheduled):
-                self.ranks.schedule(action.rank)
             elif isinstance(action, Respawn):
-                self.ranks.respawning(action.rank, action.incarnation)
+                self.ranks.respawning(action.rank, action.incarnation, action.host)
             elif isinstance(action, Reform):
                 self._reform(action)
             elif isinstance(action, ReplaceStuck):
-                self.replace_stuck(action.rank, action.incarnation)
+                self._replace_stuck(action.rank, action.incarnation)
             elif isinstance(action, StartSpare):
                 self.supervisor.start_spare()
 
     def _kill(self, rank: int) -> None:
-        """Mode ``all`` or a user's restart: the live process goes now; its
-        exit is old news (the pidfd event finds the rank already DEAD)."""
+        """Mode ``all`` or a user's restart: the process goes now (the
+        policy's Move DEAD follows); its exit is old news (the pidfd event
+        finds the rank without a process already)."""
         info = self.ranks[rank]
         proc = self.supervisor.procs.get(rank)
         if proc is None or info.state in GONE:
             return
         self.supervisor.kill_proc(proc)
         info.exitcode = -9
-        self.ranks.move(rank, RankState.DEAD)
         self.calls.fail(rank, self.died_error(info), coming_back=False)
 
     def _give_up(self, action: GiveUp) -> None:
-        rank = action.rank
-        self.ranks.move(rank, RankState.FAILED)
+        rank = action.rank  # FAILED already: the policy's Move came first
         self.ranks.record(rank, EventKind.GAVE_UP, action.reason)
         self._announce(f"monarch_nb: {action.reason}")
         gone = MonarchError(action.reason)
@@ -336,6 +340,7 @@ class Recovery:
     def _reform(self, action: Reform) -> None:
         """New generation: fresh store port; respawning members start with
         it, live members are told to leave their group and join it."""
+        self.ranks.reformed(action.generation)
         port = free_port()
         self.supervisor.reform(action.generation, port)
         frames = self.codec.sign(Kind.REFORM, meta={"generation": action.generation, "port": port})
@@ -362,21 +367,22 @@ class Recovery:
                           f"generation {action.generation}, ranks {list(action.ranks)}")
         self.send_waiting()  # behind the REFORM on every live member's socket
 
-    def replace_stuck(self, rank: int, incarnation: int) -> None:
-        """A member still inside the old group's collective after the grace:
-        replace its process in the current generation. An elastic call is
-        re-issued on the new one, which takes its state from a live peer."""
+    def _replace_stuck(self, rank: int, incarnation: int) -> None:
+        """The policy's ReplaceStuck: a member still inside the old group's
+        collective after the grace gets a new process in the current
+        generation. An elastic call is re-issued on the new one, which takes
+        its state from a live peer."""
         self.awaiting_reform.pop(rank, None)
         info = self.ranks[rank]
         old = self.supervisor.procs.get(rank)
         if old is None or info.state not in LIVE:
-            return
+            return  # it died meanwhile: its death is the news (the policy had a stale view)
         self.supervisor.kill_proc(old)
         self.calls.fail(rank, MembershipChanged(rank, sorted(self.lost), "its process was "
                                                 "replaced: it was stuck in a collective after "
                                                 "the group changed"),
                         coming_back=True)
-        self.ranks.move(rank, RankState.RESPAWNING)
+        self.ranks.respawning(rank, incarnation)
         self.start_process(rank, incarnation)
         self.ranks.record(rank, EventKind.REPLACED,
                           f"stuck in a collective; joins generation {self.generation}")

@@ -14,7 +14,7 @@ const MAX_POINTS = 4000; // per rank and metric, older half thinned beyond
 const BAND_MIN = 9; // from this many ranks: mean + min-max band, one rank on demand
 const STATE_COLOURS = {
   starting: "#9e9e9e", ready: "#2e7d32", busy: "#1565c0", respawning: "#ef6c00",
-  dead: "#c62828", failed: "#7f0000", stopped: "#616161",
+  dead: "#c62828", waiting: "#c62828", failed: "#7f0000", lost: "#7f0000", stopped: "#616161",
 };
 const LINE_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
   "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"];
