@@ -37,7 +37,8 @@ from .config import BACKENDS, LAUNCHERS, LOOPBACK, RESPAWN_MODES, MeshConfig
 from .errors import UsageError
 
 # The launcher's own options that the announced form takes after the script.
-AFTER_SCRIPT = ("--backend", "--nodes", "--gpus-per-node", "--respawn", "--launcher", "--hosts")
+AFTER_SCRIPT = ("--backend", "--nodes", "--gpus-per-node", "--respawn", "--launcher", "--hosts",
+                "--spare-hosts", "--host-timeout")
 ENV_VIRTUAL_LOCAL_RANK = "MONARCH_NB_VIRTUAL_LOCAL_RANK"  # read by Supervisor.env_for
 DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's
 # torchrun's: ${role_name}, ${rank}, ${local_rank} (string.Template) before each line
@@ -75,6 +76,11 @@ def build_parser(prog: str = "python -m monarch_nb.launch") -> argparse.Argument
     p.add_argument("--launcher", default=None, choices=LAUNCHERS,
                    help="local (default), ssh, slurm, or join (ranks started by hand)")
     p.add_argument("--hosts", default="", help="comma-separated hosts (ssh launcher)")
+    p.add_argument("--spare-hosts", default="",
+                   help="comma-separated hosts kept free for the ranks of a lost host (ssh, "
+                        "slurm; under slurm: the allocation's nodes beyond --nodes by default)")
+    p.add_argument("--host-timeout", type=float, default=5.0,
+                   help="a host whose agent is silent this many seconds is lost (default 5)")
     p.add_argument("--bind", default=None,
                    help="controller address (default: loopback for local, this host's "
                         "address for ssh/slurm; non-loopback turns on CurveZMQ)")
@@ -427,7 +433,9 @@ def plan(ns: argparse.Namespace) -> Plan:
         moot(f"--rdzv-backend {ns.rdzv_backend}", "this controller is the rendezvous")
 
     opts: dict[str, Any] = {"backend": backend, "respawn": ns.respawn, "launcher": launcher,
-                            "hosts": ns.hosts}
+                            "hosts": ns.hosts, "host_timeout": ns.host_timeout}
+    if ns.spare_hosts:
+        opts["spare_hosts"] = ns.spare_hosts
     # torchrun's flags in use: torchrun's defaults too (1 rank per node, no
     # restart), said once; with none, monarch_nb's own (min(4, cores) ranks,
     # MeshConfig.restart_budget respawns)

@@ -467,6 +467,21 @@ class Mesh(_RankSet):
                                            RankState.LOST, RankState.RESPAWNING):
                 ctl.pump(0.05)
 
+    def add_hosts(self, hosts: Iterable[str] | str) -> None:
+        """Give the mesh spare hosts (ssh, slurm): a lost host's ranks start
+        on the first one at the next loss, or at ``mesh.restart()`` /
+        ``%monarch restart`` for ranks already lost, keeping their numbers."""
+        if isinstance(hosts, str):
+            hosts = [h for h in hosts.split(",") if h]
+        launcher = self._ctl.supervisor.launcher
+        if not isinstance(launcher, agents.AgentLauncher):
+            raise UsageError("add_hosts needs a mesh on several hosts (--launcher ssh or "
+                             "slurm); this one runs on this machine")
+        busy = sorted(set(hosts) & set(launcher.hosts()))
+        if busy:
+            raise UsageError(f"host(s) {', '.join(busy)} already run ranks of this mesh")
+        launcher.add_hosts(list(hosts))
+
     def restart(self, rank: int | str = "all") -> None:
         """Replace a rank (or ``"all"``) with a fresh process: same rank
         number and device, a new torch.distributed generation, ``--setup``

@@ -25,7 +25,7 @@ from .status import format_status
 
 HELP = """\
 %monarch start [-n N] [--backend auto|cuda|rocm|cpu] [--respawn rank|all|off]
-               [--launcher local|ssh|slurm] [--hosts H1,H2] [--no-dashboard]
+               [--launcher local|ssh|slurm] [--hosts H1,H2] [--spare-hosts H3] [--no-dashboard]
                [--hang-timeout SECONDS]
 %monarch stop [--signal TERM] [--grace S] | status | dashboard | help
 %monarch push NAME [NAME ...] [--ranks SPEC]    send kernel variables to the ranks
@@ -58,6 +58,10 @@ class _Parsers:
     @argument("--respawn", default="rank", choices=["rank", "all", "off"])
     @argument("--launcher", default="local", choices=["local", "ssh", "slurm"])
     @argument("--hosts", default="", help="comma-separated hosts (ssh launcher)")
+    @argument("--spare-hosts", default="",
+              help="comma-separated hosts kept free for the ranks of a lost host (ssh, slurm)")
+    @argument("--host-timeout", type=float, default=5.0,
+              help="a host whose agent is silent this many seconds is lost")
     @argument("--no-dashboard", action="store_true", help="do not show the live dashboard")
     @argument("--hang-timeout", type=float, default=60.0,
               help="print where the ranks are after SECONDS without progress (0: never)")
@@ -211,7 +215,8 @@ class MonarchMagics(Magics):
         # refuse bad options before saying anything is starting
         MeshConfig(n=args.n, backend=args.backend, respawn=args.respawn, launcher=args.launcher,
                    hosts=tuple(h for h in args.hosts.split(",") if h),
-                   hang_timeout=args.hang_timeout)
+                   hang_timeout=args.hang_timeout, spare_hosts=args.spare_hosts,
+                   host_timeout=args.host_timeout)
         from IPython.display import display
 
         handle = display(_Text("monarch_nb: starting ranks..."), display_id=True)
@@ -225,7 +230,8 @@ class MonarchMagics(Magics):
 
         self.mesh = Mesh.start(n=args.n, backend=args.backend, respawn=args.respawn,
                                launcher=args.launcher, hosts=args.hosts, progress=progress,
-                               hang_timeout=args.hang_timeout)
+                               hang_timeout=args.hang_timeout, spare_hosts=args.spare_hosts,
+                               host_timeout=args.host_timeout)
         mesh = self.mesh
         if args.launcher == "local":
             _omp_notice(mesh.world_size)

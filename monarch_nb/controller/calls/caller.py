@@ -173,9 +173,11 @@ class Caller:
                        else "the mesh was stopped" if state == RankState.STOPPED
                        else "its host was lost" if state == RankState.LOST
                        else describe_exit(info.exitcode))
+                back = (f"give the mesh a host (mesh.add_hosts('HOST')) and %monarch restart {r}"
+                        if state == RankState.LOST else
+                        f"bring it back with %monarch restart {r} (mesh.restart({r}))")
                 raise MonarchError(
-                    f"rank {r} is dead ({why}); select the live ranks with --ranks, "
-                    f"or bring it back with %monarch restart {r} (mesh.restart({r}))")
+                    f"rank {r} is dead ({why}); select the live ranks with --ranks, or {back}")
 
     def _sign_call(self, kind: Kind, payload: list[Any], call_id: int,
                    meta: dict[str, Any] | None) -> tuple[list[Any], bool]:

@@ -1,0 +1,229 @@
+"""Host agents (procs/hostagent.py, procs/agents.py): one per host, on real
+rank processes. Hosts are names here and the remote shell is ``sh -c``
+(``MONARCH_NB_SSH``), so every "host" is this machine but reached the way
+the ssh launcher reaches one; tests/test_netns.py does it across network
+namespaces, where a lost host is a namespace removed.
+
+* one agent per host, never one session per rank;
+* a killed remote rank comes back from its host's warm spare;
+* a stopped (SIGSTOP) remote rank is seen as stopped through its agent;
+* a lost host (its agent and ranks killed): without a spare host its ranks
+  are LOST with the host named and the mesh stays usable, and a host given
+  later (``add_hosts`` then ``restart``) takes them; with a spare host they
+  come back there on their own, with their rank numbers;
+* the agent channel drops what is not one of its messages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+
+import psutil
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from monarch_nb import Mesh, MonarchError, UsageError
+from monarch_nb.procs import agentwire
+
+from .conftest import wait_for
+
+ALL_REDUCE = "x = torch.ones(1)\ndist.all_reduce(x)\nx.item()"
+
+
+def _agents() -> dict[str, psutil.Process]:
+    """This process's host agents, by host (the name is the last word of
+    the ``sh -c`` parent's command)."""
+    out = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = p.cmdline()
+        except psutil.Error:
+            continue
+        if "monarch_nb.agent" in cmd:
+            out[str(p.pid)] = p
+    return out
+
+
+def _workers(agent: psutil.Process) -> list[psutil.Process]:
+    try:
+        return [c for c in agent.children() if "monarch_nb.worker" in c.cmdline()]
+    except psutil.Error:
+        return []
+
+
+def _spare_waits(agent: psutil.Process, ranks: set[int]) -> bool:
+    """``agent`` holds a spare that imported torch (it says so in its log)."""
+    from monarch_nb.config import SPARE_WAITING
+
+    for proc in _workers(agent):
+        if proc.pid in ranks:
+            continue
+        try:
+            with open(os.readlink(f"/proc/{proc.pid}/fd/1"), "rb") as log:
+                return SPARE_WAITING.encode() in log.read(4096)
+        except OSError:
+            return False
+    return False
+
+
+def _agent_of(pid: int) -> psutil.Process:
+    return next(a for a in _agents().values() if pid in [c.pid for c in _workers(a)])
+
+
+def _lose(agent: psutil.Process) -> None:
+    """The host is gone: its agent and everything it started, at once."""
+    procs = [agent, *agent.children(recursive=True)]
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+@pytest.fixture
+def two_hosts(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    monkeypatch.setenv("MONARCH_NB_SSH", "sh -c")
+    yield {"n": "4", "hosts": "hA,hB"}
+
+
+def _start(spare_hosts: str = "") -> Mesh:
+    mesh = Mesh.start(n=4, backend="cpu", launcher="ssh", hosts="hA,hB", bind="127.0.0.1",
+                      master_addr="127.0.0.1", start_timeout=90, spare_hosts=spare_hosts)
+    mesh.exec("import torch, torch.distributed as dist")
+    return mesh
+
+
+def test_one_agent_per_host_and_a_killed_rank_comes_from_its_spare(two_hosts: dict) -> None:
+    mesh = _start()
+    try:
+        agents = _agents()
+        assert len(agents) == 2, agents  # 4 ranks, 2 hosts: 2 sessions
+        assert not [p for p in psutil.Process().children(recursive=True)
+                    if "worker" in p.cmdline() and "--key-file" in p.cmdline()]  # no per-rank session
+        pids = mesh.run(os.getpid)
+        # each agent started two of the ranks (and maybe its spare already)
+        by_agent = [{c.pid for c in _workers(a)} for a in agents.values()]
+        assert sorted(len(set(pids.values()) & mine) for mine in by_agent) == [2, 2], by_agent
+        # each host keeps a warm spare once its ranks started
+        wait_for(lambda: all(_spare_waits(a, set(pids.values())) for a in _agents().values()),
+                 timeout=90, what="a spare with torch imported on each host")
+        mesh.ranks(3).exec("print('before the kill', flush=True)")
+        mesh.kill(3)
+        assert mesh.exec(ALL_REDUCE, timeout=60) == {r: 4.0 for r in range(4)}
+        started = [e for e in mesh.events if e["rank"] == 3 and e["kind"] == "started"]
+        assert started[-1]["incarnation"] == 1 and "from a spare" in started[-1]["detail"], started
+        # its log came back through the agent, both incarnations
+        text = "\n".join(mesh.logs(3, tail=20))
+        assert "before the kill" in text and "killed by SIGKILL" in text, text
+        assert mesh.status()[3]["state"] == "ready"
+    finally:
+        mesh.stop()
+    wait_for(lambda: not _agents(), timeout=20, what="the agents to end with the mesh")
+
+
+def test_a_stopped_remote_rank_is_seen_through_its_agent(two_hosts: dict) -> None:
+    mesh = _start()
+    try:
+        pid = mesh.run(os.getpid)[1]
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: mesh.status()[1]["incarnation"] == 1
+                 and mesh.status()[1]["state"] == "ready", timeout=60, what="rank 1 replaced")
+        died = [e for e in mesh.events if e["rank"] == 1 and e["kind"] == "died"]
+        assert "stopped by a signal" in died[-1]["detail"], died
+        assert mesh.exec(ALL_REDUCE, timeout=60) == {r: 4.0 for r in range(4)}
+    finally:
+        mesh.stop()
+
+
+def test_a_lost_host_without_a_spare_then_a_host_given_later(two_hosts: dict) -> None:
+    mesh = _start()
+    try:
+        pid = mesh.run(os.getpid)[2]
+        _lose(_agent_of(pid))
+        wait_for(lambda: [s["state"] for s in mesh.status()][2:] == ["lost", "lost"], timeout=30,
+                 what="ranks 2,3 lost with their host")
+        died = [e for e in mesh.events if e["kind"] == "died" and e["rank"] in (2, 3)]
+        assert all("host hB lost" in e["detail"] for e in died), died
+        assert mesh.status()[2]["restarts"] == 0  # no restart budget spent on a host that is gone
+        with pytest.raises(MonarchError, match=r"rank 2 is dead \(its host was lost\); .*"
+                           r"mesh.add_hosts"):
+            mesh.exec(ALL_REDUCE, timeout=30)
+        assert mesh.ranks(0).run(lambda: "still here") == {0: "still here"}  # usable
+        with pytest.raises(UsageError, match="already run ranks"):
+            mesh.add_hosts("hA")
+        mesh.add_hosts("hC")
+        mesh.restart("2,3")
+        wait_for(lambda: all(s["state"] == "ready" for s in mesh.status()), timeout=90,
+                 what="ranks 2,3 back on hC")
+        mesh.exec("import torch, torch.distributed as dist")
+        assert mesh.exec(ALL_REDUCE, timeout=60) == {r: 4.0 for r in range(4)}
+        assert mesh._ctl.supervisor.launcher.hosts() == ["hA", "hC"]  # type: ignore[attr-defined]
+    finally:
+        mesh.stop()
+
+
+def test_a_lost_host_with_a_spare_host_comes_back_there(two_hosts: dict) -> None:
+    mesh = _start(spare_hosts="hC")
+    try:
+        pid = mesh.run(os.getpid)[3]
+        _lose(_agent_of(pid))
+        wait_for(lambda: all(s["state"] == "ready" and s["incarnation"] >= 1
+                             for s in mesh.status()[2:]), timeout=90, what="ranks 2,3 on hC")
+        assert [s["state"] for s in mesh.status()[:2]] == ["ready", "ready"]
+        assert mesh._ctl.supervisor.launcher.hosts() == ["hA", "hC"]  # type: ignore[attr-defined]
+        mesh.exec("import torch, torch.distributed as dist")  # (setup cells are replayed too)
+        assert mesh.exec(ALL_REDUCE, timeout=60) == {r: 4.0 for r in range(4)}
+        assert any("host hB lost" in e["detail"] for e in mesh.events if e["kind"] == "died")
+    finally:
+        mesh.stop()
+    wait_for(lambda: not _agents(), timeout=20, what="the agents to end with the mesh")
+
+
+def test_a_spare_host_must_be_free_and_needs_a_multi_host_launcher(two_hosts: dict) -> None:
+    with pytest.raises(UsageError, match="already run ranks"):
+        Mesh.start(n=2, backend="cpu", launcher="ssh", hosts="hA,hB", spare_hosts="hB")
+    with pytest.raises(UsageError, match="spare hosts need"):
+        Mesh.start(n=2, backend="cpu", spare_hosts="hB")
+    with pytest.raises(UsageError, match="host_timeout"):
+        Mesh.start(n=2, backend="cpu", host_timeout=0)
+
+
+# -- the channel ----------------------------------------------------------------------------
+def test_agent_messages_round_trip_and_wrong_fields_are_refused() -> None:
+    line = agentwire.encode("spawn", sid=1, rank=2, inc=0, env={"A": "b"}, spare=True)
+    assert agentwire.decode(line, agentwire.TO_AGENT)["env"] == {"A": "b"}
+    for bad in (b"", b"[]", b'{"op": "spawn"}', b'{"op": "nope"}',
+                agentwire.encode("spawn", sid=True, rank=2, inc=0, env={}, spare=True),
+                agentwire.encode("exit", sid=1, code="0", flight=""),
+                agentwire.encode("started", sid=1, pid=3, spare=True)):  # not to an agent
+        with pytest.raises(ValueError):
+            agentwire.decode(bad, agentwire.TO_AGENT)
+    with pytest.raises(ValueError):
+        agentwire.string_map({"A": 1})
+
+
+@given(st.binary(max_size=200))
+def test_any_bytes_are_a_message_or_a_value_error(data: bytes) -> None:
+    for kinds in (agentwire.TO_AGENT, agentwire.FROM_AGENT):
+        try:
+            msg = agentwire.decode(data, kinds)
+        except ValueError:
+            continue
+        assert msg["op"] in kinds
+
+
+@given(st.dictionaries(st.sampled_from(["op", "sid", "pid", "code", "flight", "data", "spare"]),
+                       st.one_of(st.integers(), st.text(max_size=5), st.booleans(), st.none(),
+                                 st.sampled_from(list(agentwire.FROM_AGENT)))))
+def test_json_objects_of_the_wrong_shape_are_refused(obj: dict) -> None:
+    try:
+        msg = agentwire.decode(json.dumps(obj).encode(), agentwire.FROM_AGENT)
+    except ValueError:
+        return
+    for name, typ in agentwire.FROM_AGENT[msg["op"]].items():
+        assert isinstance(msg[name], typ) and (typ is bool or not isinstance(msg[name], bool))
