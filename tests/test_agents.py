@@ -114,7 +114,7 @@ def test_one_agent_per_host_and_a_killed_rank_comes_from_its_spare(two_hosts: di
                  timeout=90, what="a spare with torch imported on each host")
         mesh.ranks(3).exec("print('before the kill', flush=True)")
         mesh.kill(3)
-        assert mesh.exec(ALL_REDUCE, timeout=60) == {r: 4.0 for r in range(4)}
+        assert mesh.exec(ALL_REDUCE, timeout=60) == dict.fromkeys(range(4), 4.0)
         started = [e for e in mesh.events if e["rank"] == 3 and e["kind"] == "started"]
         assert started[-1]["incarnation"] == 1 and "from a spare" in started[-1]["detail"], started
         # its log came back through the agent, both incarnations
@@ -135,7 +135,7 @@ def test_a_stopped_remote_rank_is_seen_through_its_agent(two_hosts: dict) -> Non
                  and mesh.status()[1]["state"] == "ready", timeout=60, what="rank 1 replaced")
         died = [e for e in mesh.events if e["rank"] == 1 and e["kind"] == "died"]
         assert "stopped by a signal" in died[-1]["detail"], died
-        assert mesh.exec(ALL_REDUCE, timeout=60) == {r: 4.0 for r in range(4)}
+        assert mesh.exec(ALL_REDUCE, timeout=60) == dict.fromkeys(range(4), 4.0)
     finally:
         mesh.stop()
 
@@ -161,7 +161,7 @@ def test_a_lost_host_without_a_spare_then_a_host_given_later(two_hosts: dict) ->
         wait_for(lambda: all(s["state"] == "ready" for s in mesh.status()), timeout=90,
                  what="ranks 2,3 back on hC")
         mesh.exec("import torch, torch.distributed as dist")
-        assert mesh.exec(ALL_REDUCE, timeout=60) == {r: 4.0 for r in range(4)}
+        assert mesh.exec(ALL_REDUCE, timeout=60) == dict.fromkeys(range(4), 4.0)
         assert mesh._ctl.supervisor.launcher.hosts() == ["hA", "hC"]  # type: ignore[attr-defined]
     finally:
         mesh.stop()
@@ -177,7 +177,7 @@ def test_a_lost_host_with_a_spare_host_comes_back_there(two_hosts: dict) -> None
         assert [s["state"] for s in mesh.status()[:2]] == ["ready", "ready"]
         assert mesh._ctl.supervisor.launcher.hosts() == ["hA", "hC"]  # type: ignore[attr-defined]
         mesh.exec("import torch, torch.distributed as dist")  # (setup cells are replayed too)
-        assert mesh.exec(ALL_REDUCE, timeout=60) == {r: 4.0 for r in range(4)}
+        assert mesh.exec(ALL_REDUCE, timeout=60) == dict.fromkeys(range(4), 4.0)
         assert any("host hB lost" in e["detail"] for e in mesh.events if e["kind"] == "died")
     finally:
         mesh.stop()

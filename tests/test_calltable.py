@@ -226,6 +226,12 @@ class _Supervisor:
     def tail(self, rank: int, lines: int = 10) -> list[str]:
         return []
 
+    def lost_host(self, rank: int) -> str:
+        return ""  # one host here: never lost
+
+    def replacement_host(self, lost: str) -> str | None:
+        return None
+
     def death_hint(self, rank: int, health: dict[str, Any]) -> str:
         return ""
 

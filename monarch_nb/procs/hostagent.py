@@ -61,7 +61,7 @@ class Child:
     inc: int
     popen: subprocess.Popen[bytes]
     log_path: str
-    sent: int = 0  # bytes of its log already sent
+    log_sent: int = 0  # bytes of its log already sent
     ended: bool = False
 
 
@@ -214,18 +214,18 @@ class Agent:
     def _send_log(self, child: Child) -> None:
         try:
             with open(child.log_path, "rb") as f:
-                f.seek(child.sent)
+                f.seek(child.log_sent)
                 data = f.read(LOG_CHUNK)
         except OSError:
             return
         while data:
-            child.sent += len(data)
+            child.log_sent += len(data)
             self.send("log", sid=child.sid, data=data.decode("utf-8", "surrogateescape"))
             if len(data) < LOG_CHUNK:
                 return
             try:
                 with open(child.log_path, "rb") as f:
-                    f.seek(child.sent)
+                    f.seek(child.log_sent)
                     data = f.read(LOG_CHUNK)
             except OSError:
                 return
