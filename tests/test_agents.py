@@ -20,6 +20,7 @@ import json
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -227,3 +228,57 @@ def test_json_objects_of_the_wrong_shape_are_refused(obj: dict) -> None:
         return
     for name, typ in agentwire.FROM_AGENT[msg["op"]].items():
         assert isinstance(msg[name], typ) and (typ is bool or not isinstance(msg[name], bool))
+
+
+TRAIN = """
+import time, torch, torch.distributed as dist, monarch_nb as mnb
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+state = mnb.elastic.State(model=model, optimizer=opt, step=0)
+
+@mnb.elastic.run(state)
+def train(state):
+    ddp = DDP(model, find_unused_parameters=True)
+    while state.step < 60:
+        g = torch.Generator().manual_seed(1000 * state.step + mnb.rank())
+        x = torch.randn(16, 8, generator=g)
+        y = x.sum(1, keepdim=True)
+        opt.zero_grad()
+        ((ddp(x) - y) ** 2).mean().backward()
+        opt.step()
+        state.step += 1
+        state.commit()
+        if mnb.rank() == 0:
+            open(PROGRESS, "w").write(str(state.step))
+        time.sleep(PAUSE)
+    return [p.detach().clone() for p in model.parameters()], state.step
+
+train()
+"""
+
+
+def test_an_elastic_training_cell_survives_a_lost_host_on_a_spare(two_hosts: dict,
+                                                                  tmp_path: Path) -> None:
+    import torch
+
+    progress = tmp_path / "step"
+    cell = TRAIN.replace("PROGRESS", repr(str(progress)))
+    mesh = _start(spare_hosts="hC")
+    try:
+        clean = mesh.exec(cell.replace("PAUSE", "0"), elastic=True, timeout=300)
+        progress.unlink()
+        future = mesh.exec(cell.replace("PAUSE", "0.05"), elastic=True, block=False)
+        wait_for(lambda: progress.exists() and progress.read_text().isdigit()
+                 and int(progress.read_text()) >= 20, timeout=120, what="step 20")
+        _lose(_agent_of(mesh.status()[3]["pid"]))
+        faulted = future.result(timeout=300)
+        for rank in range(4):  # the same model as the unfaulted run, every step done
+            params, steps = faulted[rank]
+            assert steps == 60
+            assert all(torch.equal(a, b) for a, b in zip(params, clean[rank][0], strict=True)), rank
+        assert mesh._ctl.supervisor.launcher.hosts() == ["hA", "hC"]  # type: ignore[attr-defined]
+        assert [s["incarnation"] for s in mesh.status()] == [0, 0, 1, 1]
+    finally:
+        mesh.stop()

@@ -232,6 +232,9 @@ class _Supervisor:
     def replacement_host(self, lost: str) -> str | None:
         return None
 
+    def lost_with(self, host: str) -> list[int]:
+        return []
+
     def death_hint(self, rank: int, health: dict[str, Any]) -> str:
         return ""
 

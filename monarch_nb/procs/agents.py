@@ -88,10 +88,10 @@ class RemoteRank:
         return self.state if time.monotonic() - self.state_at <= fresh else None
 
     def ended(self, code: int, lost: str = "") -> None:
-        if self.returncode is not None:
+        if self._done.is_set():
             return
-        self.lost = lost
-        self.returncode = code
+        if self.returncode is None:  # (already set by mark for a lost host's ranks)
+            self.lost, self.returncode = lost, code
         self._done.set()
         self.started.set()
         try:
@@ -169,6 +169,9 @@ class HostAgent:
                 return
             self.lost = f"host {self.host} lost ({why})"
             ranks = list(self.processes.values())
+        for handle in ranks:  # all of them first: the controller decides for all at once
+            if handle.returncode is None:
+                handle.lost, handle.returncode = self.lost, LOST_CODE
         for handle in ranks:
             handle.ended(LOST_CODE, self.lost)
         if self.popen is not None:

@@ -356,6 +356,11 @@ class Supervisor:
             return proc.popen.agent.host
         return ""
 
+    def lost_with(self, host: str) -> list[int]:
+        """The ranks whose current process was lost with ``host``."""
+        return [r for r, p in self.procs.items() if isinstance(p.popen, RemoteRank)
+                and p.popen.lost and p.popen.agent.host == host]
+
     def replacement_host(self, lost: str) -> str | None:
         """The spare host that takes ``lost``'s ranks, if the launcher has one."""
         replace = getattr(self.launcher, "replace_host", None)

@@ -338,8 +338,11 @@ class RestartPolicy:
             snap.move(rank, S.LOST)
             self._due.pop(rank, None)  # a respawn due where it was: not there
             lost.append(rank)
-            snap.actions.append(Report(rank, f"rank {rank} lost: host {ev.host} lost"))
         if ev.spare is None or not lost:
+            # nothing brings them back: a Report ends their calls, elastic ones too
+            snap.actions.extend(Report(rank, f"rank {rank} lost: host {ev.host} lost; give the "
+                                       "mesh a host (mesh.add_hosts) and restart it")
+                                for rank in lost)
             return
         for rank in lost:
             snap.respawn(rank, host=ev.spare)

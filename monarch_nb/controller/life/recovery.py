@@ -148,10 +148,44 @@ class Recovery:
             return  # an incarnation that was already replaced
         if code is None or info.state in GONE:
             return
+        host = self.supervisor.lost_host(rank)
+        # A lost host ends all its ranks at once: one decision for all of
+        # them (one respawn on the spare host, one re-formation), not one each.
+        ranks = [rank] + [r for r in self.supervisor.lost_with(host)
+                          if r != rank and self.ranks[r].state not in GONE
+                          and self.supervisor.reap(r) is not None] if host else [rank]
+        deaths = [(r, self.ranks[r].state == RankState.STARTING and not self.started)
+                  for r in ranks]
+        errors = {r: self._record_death(r, starting) for r, starting in deaths}
+        if self.stopped or any(starting for _, starting in deaths):
+            for r in ranks:
+                self.ranks.move(r, RankState.DEAD)  # not the policy's: nothing comes back
+                self.calls.fail(r, errors[r], coming_back=False)
+            return
+        cause = signal_name(info.exitcode) or f"exit code {info.exitcode}"
+        if info.silent_for is not None:
+            cause = "missed heartbeats"
+        if host:  # its host is gone: not a crash to retry there (agents.py): LOST
+            actions = self.policy.handle(HostLost(host, tuple(ranks), time.monotonic(),
+                                                  self.supervisor.replacement_host(host)))
+        else:  # the policy moves it DEAD, then WAITING / FAILED (or keeps it DEAD)
+            actions = self.policy.handle(Died(rank, time.monotonic(), cause, info.incarnation))
+        for r in ranks:
+            self._announce(f"monarch_nb: {errors[r].headline}")
+        self.apply(actions)  # first: a GiveUp ends the calls with its own reason
+        for r in ranks:
+            self.calls.fail(r, errors[r], coming_back=self.ranks.coming_back(r))
+        self.keep_spare(time.monotonic())  # a backoff started: use the wait
+
+    def _record_death(self, rank: int, starting: bool) -> RankDied:
+        """Note ``rank``'s death (its exit, the event with its cause) and
+        the error its calls end with."""
+        info = self.ranks[rank]
+        proc = self.supervisor.procs.get(rank)
+        code = None if proc is None else proc.popen.poll()
         info.exitcode = code
         self.requested.discard(rank)  # a death on the way back is news again
         self.settled_at = time.monotonic()
-        was_starting = info.state == RankState.STARTING and not self.started
         detail = describe_exit(code)
         hint = self.supervisor.death_hint(rank, info.health)  # deathcause.py
         if hint:
@@ -160,25 +194,8 @@ class Recovery:
             detail = f"no heartbeat for {info.silent_for:.1f} s, killed"
             if info.frozen:
                 detail = f"{info.frozen}; {detail}"
-        self.ranks.record(rank, EventKind.FAILED_START if was_starting else EventKind.DIED, detail)
-        died = self.died_error(info)
-        if self.stopped or was_starting:
-            self.ranks.move(rank, RankState.DEAD)  # not the policy's: nothing comes back
-            self.calls.fail(rank, died, coming_back=False)
-            return
-        cause = signal_name(code) or f"exit code {code}"
-        if info.silent_for is not None:
-            cause = "missed heartbeats"
-        host = self.supervisor.lost_host(rank)
-        if host:  # its host is gone: not a crash to retry there (agents.py): LOST
-            actions = self.policy.handle(HostLost(host, (rank,), time.monotonic(),
-                                                  self.supervisor.replacement_host(host)))
-        else:  # the policy moves it DEAD, then WAITING / FAILED (or keeps it DEAD)
-            actions = self.policy.handle(Died(rank, time.monotonic(), cause, info.incarnation))
-        self._announce(f"monarch_nb: {died.headline}")
-        self.apply(actions)  # first: a GiveUp ends the calls with its own reason
-        self.calls.fail(rank, died, coming_back=self.ranks.coming_back(rank))
-        self.keep_spare(time.monotonic())  # a backoff started: use the wait
+        self.ranks.record(rank, EventKind.FAILED_START if starting else EventKind.DIED, detail)
+        return self.died_error(info)
 
     def on_ready(self, info: RankInfo, msg: Message) -> None:
         if info.state == RankState.DYING:
