@@ -43,7 +43,7 @@ from .. import config, flight
 from ..backends import BackendInfo, pin_env
 from ..wire import link as links
 from . import deathcause, logdirs, spares
-from .agents import RemoteRank
+from .agents import AgentLauncher, RemoteRank
 from .launchers import Handle, Launcher, LocalLauncher
 from .spawner import Spawner
 
@@ -363,8 +363,9 @@ class Supervisor:
 
     def replacement_host(self, lost: str) -> str | None:
         """The spare host that takes ``lost``'s ranks, if the launcher has one."""
-        replace = getattr(self.launcher, "replace_host", None)
-        return None if replace is None else replace(lost)
+        if not isinstance(self.launcher, AgentLauncher):
+            return None
+        return self.launcher.replace_host(lost)
 
     def signal_all(self, sig: int) -> list[int]:
         """Send ``sig`` to every live rank (a launcher forwarding SIGTERM,
@@ -511,9 +512,8 @@ class Supervisor:
             spare_link[0].close()
         if spare is not None:
             spares.discard(spare)
-        close = getattr(self.launcher, "close", None)
-        if close is not None:  # host agents: they stop their ranks, with the grace
-            close(grace)
+        if isinstance(self.launcher, AgentLauncher):  # host agents stop their ranks, with the grace
+            self.launcher.close(grace)
         for proc in [p for p in self.history if p.popen.poll() is None
                      and not isinstance(p.popen, RemoteRank)]:
             try:
