@@ -84,6 +84,17 @@ def _lose(agent: psutil.Process) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(procs, timeout=10)
+    _tidy(agent.pid)
+
+
+def _tidy(pid: int) -> None:
+    """A killed agent leaves its folder (on a real lost host it goes with the host)."""
+    import glob
+    import shutil
+    import tempfile
+
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), f"monarch-nb-agent-{pid}-*")):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

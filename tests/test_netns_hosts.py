@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -101,6 +102,9 @@ def test_a_lost_host_comes_back_on_the_spare_host(hosts: Hosts, tmp_path: Path) 
             except ProcessLookupError:
                 pass
         subprocess.run(["ip", "netns", "del", b], check=True, timeout=30)
+        for pid in victims:  # a killed agent's folder (a real lost host takes it along)
+            for folder in Path("/tmp").glob(f"monarch-nb-agent-{pid}-*"):
+                shutil.rmtree(folder, ignore_errors=True)
         proc.stdin.write("lost\n")
         proc.stdin.flush()
         out, _ = proc.communicate(timeout=180)

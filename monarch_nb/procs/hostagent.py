@@ -69,7 +69,9 @@ class Child:
 class Agent:
     out: IO[bytes]
     controller_timeout: float = 10.0
-    folder: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="monarch-nb-agent-"))
+    # named with its pid: whoever kills an agent (a test losing a host) can tidy after it
+    folder: str = field(default_factory=lambda: tempfile.mkdtemp(
+        prefix=f"monarch-nb-agent-{os.getpid()}-"))
     children: dict[int, Child] = field(default_factory=dict)
     spare: subprocess.Popen[bytes] | None = None
     spare_log: str = ""
