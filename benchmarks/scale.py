@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/scale.py [--ranks 4,64,256,1024] [--hosts 2] [--calls 300]
                                          [--json out.json] [--profile N] [--zmq]
+    .venv/bin/python benchmarks/scale.py --agents 8,32,128 [--per-agent 8] [--hosts 4]
     .venv/bin/python benchmarks/scale.py --real 32 [--json out.json]
 
 Simulated ranks (default): for each N, ``Mesh.start(n=N, launcher=SimLauncher(hosts=K))``
@@ -31,6 +32,14 @@ rank on another host (the control channel is ZeroMQ either way).
   signing, no pickling, no bookkeeping): its round trip, and this process's
   CPU per rank per round trip (pyzmq calls, libzmq's I/O thread, syscalls:
   what no controller on ZeroMQ can go below).
+
+``--agents 8,32,128``: across hosts. For each A, A simulated host agents of
+``--per-agent`` (8) ranks each (benchmarks/simranks.py: each agent one
+DEALER to the controller, as a real agent's relay, the agents dealt over
+``--hosts`` processes): a call to all ranks is one message per agent, the
+answers come back one batch per agent. Each row is printed beside the same
+ranks without agents (each rank its own DEALER, as before host agents) and
+the raw ZeroMQ floor with one DEALER per agent.
 
 ``--profile N``: cProfile (CPU time) the controller during the calls at N
 ranks and print the top functions (the I/O loop runs on the calling thread
@@ -114,8 +123,9 @@ def _hosts_cpu(launcher: SimLauncher) -> float:
     return total
 
 
-def start_sim(n: int, hosts: int, links: bool = True) -> tuple[Mesh, SimLauncher, float]:
-    launcher = SimLauncher(hosts=min(hosts, n), links=links)
+def start_sim(n: int, hosts: int, links: bool = True,
+              agents: int = 0, per_agent: int = 8) -> tuple[Mesh, SimLauncher, float]:
+    launcher = SimLauncher(hosts=min(hosts, n), links=links, agents=agents, per_agent=per_agent)
     t0 = time.perf_counter()
     mesh = Mesh.start(n=n, backend="cpu", respawn="off", launcher=launcher, spare=False,
                       hang_timeout=None)
@@ -123,8 +133,8 @@ def start_sim(n: int, hosts: int, links: bool = True) -> tuple[Mesh, SimLauncher
 
 
 def measure_sim(n: int, hosts: int, calls: int, profile: bool,
-                links: bool = True) -> dict[str, Any]:
-    mesh, launcher, start_s = start_sim(n, hosts, links)
+                links: bool = True, agents: int = 0, per_agent: int = 8) -> dict[str, Any]:
+    mesh, launcher, start_s = start_sim(n, hosts, links, agents, per_agent)
     try:
         for _ in range(WARMUP):
             mesh.run(NOOP)
@@ -157,7 +167,7 @@ def measure_sim(n: int, hosts: int, calls: int, profile: bool,
             "cpu_us_per_rank_call": cpu / (m * n) * 1e6,
             "cpu_share_during_calls": cpu / wall, "idle_cpu_share": idle,
             "hosts_cpu_us_per_rank_call": hosts_cpu / (m * n) * 1e6,
-            "dropped": mesh.dropped,
+            "dropped": mesh.dropped, "agents": agents,
         }
         if prof is not None:
             text = io.StringIO()
@@ -168,8 +178,9 @@ def measure_sim(n: int, hosts: int, calls: int, profile: bool,
         mesh.stop()
         launcher.close()
         log(f"{n} simulated ranks stopped in {time.perf_counter() - t0:.2f} s")
-    # the raw ZeroMQ floor at this size, once the mesh is gone (simranks.floor)
-    times, floor_cpu = floor(n, launcher.hosts, m)
+    # the raw ZeroMQ floor at this size, once the mesh is gone (simranks.floor):
+    # one DEALER per agent when the ranks are behind agents (one message per host)
+    times, floor_cpu = floor(agents or n, launcher.hosts, m)
     out["floor_median_ms"] = statistics.median(times) * 1e3
     out["floor_cpu_us_per_rank_call"] = floor_cpu * 1e6
     return out
@@ -220,6 +231,59 @@ def run_sim(args: argparse.Namespace) -> list[dict[str, Any]]:
           f"below, a call's fixed cost dominates): "
           f"{'met' if worst['cpu_us_per_rank_call'] <= TARGET_CPU_US else 'missed'} "
           f"(worst {worst['cpu_us_per_rank_call']:.1f} µs at {worst['ranks']} ranks)")
+    return rows
+
+
+def run_agents(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Simulated hosts (agents) of ``per_agent`` ranks: with the relay, and
+    the same ranks without agents, side by side."""
+    rows = []
+    for agents in args.agents:
+        n = agents * args.per_agent
+        log(f"{agents} simulated hosts of {args.per_agent} ranks ({n} ranks) in "
+            f"{min(args.hosts, n)} processes...")
+        row = measure_sim(n, args.hosts, args.calls, profile=n == args.profile, links=False,
+                          agents=agents, per_agent=args.per_agent)
+        log(f"  through agents: start {row['start_s']:.2f} s, no-op median "
+            f"{row['median_ms']:.2f} ms, controller CPU / call "
+            f"{row['cpu_us_per_rank_call'] * n:.0f} µs")
+        if "profile" in row:
+            print(row["profile"], file=sys.stderr)
+        if not args.no_baseline:
+            base = measure_sim(n, args.hosts, args.calls, profile=False, links=False)
+            row["without"] = base
+            log(f"  without agents: start {base['start_s']:.2f} s, no-op median "
+                f"{base['median_ms']:.2f} ms, controller CPU / call "
+                f"{base['cpu_us_per_rank_call'] * n:.0f} µs")
+        rows.append(row)
+    print()
+    print("| hosts x ranks | ranks | start | no-op median | p99 | zmq floor (1 DEALER / host) "
+          "| controller CPU / call | per host | per rank | without agents: start, median, "
+          "CPU / call |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        n, a = r["ranks"], r["agents"]
+        per_call = r["cpu_us_per_rank_call"] * n
+        base = r.get("without")
+        was = "—" if base is None else (
+            f"{base['start_s']:.2f} s, {base['median_ms']:.2f} ms, "
+            f"{base['cpu_us_per_rank_call'] * n:.0f} µs")
+        print(f"| {a} x {args.per_agent} | {n} | {r['start_s']:.2f} s | {r['median_ms']:.2f} ms "
+              f"| {r['p99_ms']:.2f} ms | {r['floor_median_ms']:.2f} ms | {per_call:.0f} µs "
+              f"| {per_call / a:.1f} µs | {r['cpu_us_per_rank_call']:.1f} µs | {was} |")
+    at = {r["agents"]: r for r in rows}
+    if 128 in at:
+        r = at[128]
+        print(f"\ntarget: a no-op to {r['ranks']} ranks on 128 hosts ≤ 10 ms median: "
+              f"{'met' if r['median_ms'] <= 10 else 'missed'} ({r['median_ms']:.2f} ms); "
+              f"starting 128 hosts ≤ 5 s: {'met' if r['start_s'] <= 5 else 'missed'} "
+              f"({r['start_s']:.2f} s)")
+    if len(rows) > 1:
+        first, last = rows[0], rows[-1]
+        grow = (last["cpu_us_per_rank_call"] * last["ranks"]) / (
+            first["cpu_us_per_rank_call"] * first["ranks"])
+        print(f"controller CPU per call grew {grow:.1f}x for {last['agents'] / first['agents']:.0f}x "
+              f"the hosts (and ranks)")
     return rows
 
 
@@ -331,11 +395,17 @@ def main() -> None:
     ap.add_argument("--real", type=int, default=0, help="N real CPU ranks instead")
     ap.add_argument("--zmq", action="store_true",
                     help="simulated ranks' main channel on ZeroMQ (as remote ranks), not links")
+    ap.add_argument("--agents", default="", type=lambda s: [int(x) for x in s.split(",") if x],
+                    help="simulated hosts (agents) per row, e.g. 8,32,128")
+    ap.add_argument("--per-agent", type=int, default=8, help="ranks per simulated host")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="--agents: skip the same ranks without agents")
     ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, _sigterm)
     log(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    result: Any = run_real(args.real) if args.real else run_sim(args)
+    result: Any = (run_real(args.real) if args.real else
+                   run_agents(args) if args.agents else run_sim(args))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"load": os.getloadavg(), "result": result}, f, indent=1, default=str)

@@ -31,6 +31,15 @@ would on N real pids), and liveness reads the host's ``/proc`` state
 (sleeping or running: alive). A host that dies takes its ranks with it, and
 each is reported dead.
 
+Simulated host agents (``SimLauncher(agents=A)``, scale.py ``--agents``):
+the ranks are dealt to ``A`` agents of ``per_agent`` ranks each, several
+agents per host process. Each agent is one DEALER to the controller, as a
+real host agent's relay (monarch_nb/wire/hostrelay.py): a call to its
+ranks arrives once (a fan-out naming them), each rank verifies it with its
+own codec and answers, and the answers of one turn go up as one batch. The
+controller routes through the agent as it does for real agents (the
+launcher's ``route``). The control channel stays one DEALER per rank.
+
 Non-goals: running user code, torch.distributed, respawn (a host is not
 restarted; use ``respawn="off"``), shared memory, CurveZMQ.
 """
@@ -65,6 +74,7 @@ from monarch_nb.wire import serialize  # noqa: E402
 from monarch_nb.wire.channels import dealer, recv_frames  # noqa: E402
 from monarch_nb.wire.link import DROPPED, Link  # noqa: E402
 from monarch_nb.wire.protocol import Codec, Kind  # noqa: E402
+from monarch_nb.wire.relay import pack_batch, unpack_fanout  # noqa: E402
 from monarch_nb.wire.transport import send_frames  # noqa: E402
 
 HEARTBEAT_S = 0.5  # as engine/loop.py
@@ -89,8 +99,21 @@ class SimLauncher:
     # the rank's host through a Unix socket (SCM_RIGHTS), just ahead of the
     # rank's spec line. False (scale.py --zmq): DEALERs, as remote ranks.
     links: bool = True
+    # > 0: simulated host agents of ``per_agent`` ranks each (dealt over the
+    # host processes), their ranks' main channels relayed (see the module doc)
+    agents: int = 0
+    per_agent: int = 8
+    route: Any = None  # set by the controller when ``relays`` (transport.IOLoop.attach_relay)
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     fd_channels: dict[int, socket.socket] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.agents:
+            self.links = False
+
+    @property
+    def relays(self) -> bool:
+        return self.agents > 0
 
     def placement(self, rank: int, world_size: int) -> Placement:
         return Placement("", 0, rank, world_size)
@@ -100,7 +123,16 @@ class SimLauncher:
 
     def start(self, rank: int, env: dict[str, str], log: IO[bytes],
               pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
-        host = rank % self.hosts
+        agent = ""
+        if self.agents:
+            number = min(rank // self.per_agent, self.agents - 1)
+            host = number % self.hosts
+            agent = f"agent.sim{number}"
+            if self.route is not None:  # before its first message
+                ident = env.get(config.ENV_IDENTITY) or f"r{rank}"
+                self.route(f"{ident}.main".encode(), agent.encode())
+        else:
+            host = rank % self.hosts
         popen = self.procs.get(host)
         if popen is None or popen.poll() is not None:
             # The host's own environment holds no secrets (as ssh's does not):
@@ -127,7 +159,10 @@ class SimLauncher:
         try:
             if pass_fds:  # the rank's end of its link, ahead of its spec
                 socket.send_fds(self.fd_channels[host], [b"f"], list(pass_fds))
-            popen.stdin.write(rank_spec(env))
+            spec = rank_spec(env)
+            if agent:
+                spec = json.dumps({**json.loads(spec), "agent": agent}).encode() + b"\n"
+            popen.stdin.write(spec)
             popen.stdin.flush()
         except OSError:
             pass  # the host died: its exit is reported as each rank's death
@@ -150,16 +185,19 @@ class SimRank:
     """One simulated rank: two sockets, two codecs, what it answers."""
 
     __slots__ = ("rank", "env", "main", "ctl", "main_codec", "ctl_codec", "next_beat", "stopped",
-                 "value", "link")
+                 "value", "link", "outbox", "main_id")
 
     def __init__(self, ctx: zmq.Context, env: RankEnv, now: float,
-                 link: Link | None = None) -> None:
+                 link: Link | None = None,
+                 outbox: list[tuple[bytes, list[Any]]] | None = None) -> None:
         self.rank = env.rank
         self.env = env
         self.main_codec = Codec(env.key, f"{env.identity}.main")
         self.ctl_codec = Codec(env.key, f"{env.identity}.ctl")
         self.link = link
-        self.main = None if link is not None else dealer(ctx, f"{env.identity}.main",
+        self.outbox = outbox  # its agent's batch going up (None: its own main channel)
+        self.main_id = f"{env.identity}.main".encode()
+        self.main = None if link is not None or outbox is not None else dealer(ctx, f"{env.identity}.main",
                                                          env.controller, env.curve)
         self.ctl = dealer(ctx, f"{env.identity}.ctl", env.controller, env.curve)
         if self.main is not None:
@@ -178,6 +216,9 @@ class SimRank:
     def send_main(self, kind: Kind, payload: list[Any] | None = None, *, call: int = 0,
                   meta: dict[str, Any] | None = None) -> None:
         frames = self.main_codec.sign(kind, payload or [], call=call, meta=meta)
+        if self.outbox is not None:
+            self.outbox.append((self.main_id, frames))
+            return
         if self.link is None:
             assert self.main is not None
             send_frames(self.main, frames)
@@ -220,15 +261,24 @@ class Host:
         self.fd_channel = socket.socket(fileno=int(channel)) if channel else None
         self.last_ping = time.monotonic()
         self.timeout = 10.0
+        # simulated agents: name -> (DEALER, its outbox), ZMQ_FD -> name, main id -> rank
+        self.agents: dict[str, tuple[zmq.Socket, list[tuple[bytes, list[Any]]]]] = {}
+        self.agent_fds: dict[int, str] = {}
+        self.by_main: dict[bytes, SimRank] = {}
 
     def add(self, line: bytes) -> None:
-        env = RankEnv.from_environ(json.loads(line)["env"])
+        spec = json.loads(line)
+        env = RankEnv.from_environ(spec["env"])
         self.timeout = env.controller_timeout
         link = None
         if env.link_fd is not None and self.fd_channel is not None:
             _, fds, _, _ = socket.recv_fds(self.fd_channel, 1, 1)  # sent just before the spec
             link = Link(socket.socket(fileno=fds[0]), env.max_message_bytes)
-        rank = SimRank(self.ctx, env, time.monotonic(), link)
+        outbox = None
+        if spec.get("agent"):
+            outbox = self.agent(spec["agent"], env)[1]
+        rank = SimRank(self.ctx, env, time.monotonic(), link, outbox)
+        self.by_main[rank.main_id] = rank
         self.ranks.append(rank)
         for sock, main in ((rank.main, True), (rank.ctl, False)):
             if sock is None:
@@ -242,6 +292,51 @@ class Host:
         rank.hello()
         self.drain(rank, True)
         self.drain(rank, False)
+        self.flush()
+
+    def agent(self, name: str, env: RankEnv) -> tuple[zmq.Socket, list[tuple[bytes, list[Any]]]]:
+        """The simulated agent ``name``'s DEALER (made on first use) and outbox."""
+        found = self.agents.get(name)
+        if found is None:
+            sock = dealer(self.ctx, name, env.controller, env.curve)
+            sock.setsockopt(zmq.LINGER, 0)
+            found = self.agents[name] = (sock, [])
+            fd = int(sock.getsockopt(zmq.FD))
+            self.agent_fds[fd] = name
+            self.epoll.register(fd, select.EPOLLIN)
+        return found
+
+    def drain_agent(self, name: str) -> None:
+        """Fan-outs to an agent: each named rank verifies the message itself."""
+        sock = self.agents[name][0]
+        while True:
+            try:
+                frames = recv_frames(sock, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                idents = unpack_fanout(frames[0].bytes)
+            except Exception as exc:  # ProtocolError: dropped whole, as the agent's relay does
+                self.dropped[getattr(exc, "reason", "malformed")] += 1
+                continue
+            for ident in idents:
+                rank = self.by_main.get(ident)
+                if rank is None:
+                    continue
+                try:
+                    msg = rank.main_codec.verify(frames[1:])
+                except Exception as exc:
+                    self.dropped[getattr(exc, "reason", "malformed")] += 1
+                    continue
+                self.handle(rank, msg)
+
+    def flush(self) -> None:
+        """Each agent's answers of this turn, up as one batch."""
+        for sock, outbox in self.agents.values():
+            if outbox:
+                frames = [f for _, fs in outbox for f in fs]
+                send_frames(sock, [pack_batch([(i, len(fs)) for i, fs in outbox]), *frames])
+                outbox.clear()
 
     def read_specs(self) -> bool:
         """New rank specs from stdin; False at its end (the mesh is gone)."""
@@ -267,8 +362,13 @@ class Host:
                     if not self.read_specs():
                         return
                     continue
+                name = self.agent_fds.get(fd)
+                if name is not None:
+                    self.drain_agent(name)
+                    continue
                 rank, main = self.by_fd[fd]
                 self.drain(rank, main)
+            self.flush()
             if self.ranks and all(r.stopped for r in self.ranks):
                 return
             now = time.monotonic()
@@ -287,6 +387,9 @@ class Host:
                 rank.next_beat = now + HEARTBEAT_S
                 rank.send_ctl(Kind.HEARTBEAT, meta=meta)
                 self.drain(rank, False)  # the send may have taken a ping's signal
+        for name in self.agents:  # as for the ranks' sockets: a send may take a signal
+            self.drain_agent(name)
+        self.flush()
 
     def drain(self, rank: SimRank, main: bool) -> None:
         sock, codec = (rank.main, rank.main_codec) if main else (rank.ctl, rank.ctl_codec)
@@ -317,25 +420,29 @@ class Host:
             except Exception as exc:  # ProtocolError: counted and dropped, as a rank does
                 self.dropped[getattr(exc, "reason", "malformed")] += 1
                 continue
-            kind = msg.kind
-            if kind is Kind.CALL:
-                # A real rank's RESULT for a no-op returning None: one frame, no meta.
-                rank.send_main(Kind.RESULT, call=msg.call)
-            elif kind is Kind.EXEC:
-                rank.send_main(Kind.RESULT, rank.value, call=msg.call)
-            elif kind is Kind.PING:
-                self.last_ping = time.monotonic()
-            elif kind is Kind.STOP:
-                rank.stopped = True
-            elif kind is Kind.INTERRUPT:
-                rank.send_ctl(Kind.INTERRUPTED, call=msg.call, meta={"where": ""})
-            elif kind is Kind.STACKS:
-                flight = msg.meta.get("flight")
-                rank.send_ctl(Kind.STACKS_REPLY, [b"[]"] if flight else None, call=msg.call,
-                              meta={"threads": [], "busy": 0})
-            elif kind is Kind.REFORM:
-                generation = int(msg.meta.get("generation", 0))
-                rank.send_main(Kind.REFORMED, meta={"generation": generation, "error": ""})
+            self.handle(rank, msg)
+
+    def handle(self, rank: SimRank, msg: Any) -> None:
+        """A verified message to ``rank``: what a real rank would answer."""
+        kind = msg.kind
+        if kind is Kind.CALL:
+            # A real rank's RESULT for a no-op returning None: one frame, no meta.
+            rank.send_main(Kind.RESULT, call=msg.call)
+        elif kind is Kind.EXEC:
+            rank.send_main(Kind.RESULT, rank.value, call=msg.call)
+        elif kind is Kind.PING:
+            self.last_ping = time.monotonic()
+        elif kind is Kind.STOP:
+            rank.stopped = True
+        elif kind is Kind.INTERRUPT:
+            rank.send_ctl(Kind.INTERRUPTED, call=msg.call, meta={"where": ""})
+        elif kind is Kind.STACKS:
+            flight = msg.meta.get("flight")
+            rank.send_ctl(Kind.STACKS_REPLY, [b"[]"] if flight else None, call=msg.call,
+                          meta={"threads": [], "busy": 0})
+        elif kind is Kind.REFORM:
+            generation = int(msg.meta.get("generation", 0))
+            rank.send_main(Kind.REFORMED, meta={"generation": generation, "error": ""})
 
     def close(self) -> None:
         self.epoll.close()

@@ -123,6 +123,10 @@ class MeshConfig:
         the call path, about half the CPU of a no-op call. Messages on it are
         signed and verified all the same. ``False`` puts every rank on
         ZeroMQ (to compare, or to debug the transport).
+    relay: a *remote* rank's main channel goes through its host's agent
+        (wire/hostrelay.py): one connection per host, one message per host
+        for a call to its ranks, batched results. Signed end to end all the
+        same. ``False`` gives each remote rank its own DEALER (to compare).
     """
 
     n: int | None = None
@@ -149,6 +153,7 @@ class MeshConfig:
     shm_threshold: int | None = 1 << 20
     gpu_ipc: bool = False
     local_link: bool = True
+    relay: bool = True
     spare_hosts: tuple[str, ...] = ()
     host_timeout: float = 5.0
 
@@ -187,6 +192,8 @@ class MeshConfig:
             raise UsageError(f"gpu_ipc must be True or False, not {self.gpu_ipc!r}")
         if not isinstance(self.local_link, bool):
             raise UsageError(f"local_link must be True or False, not {self.local_link!r}")
+        if not isinstance(self.relay, bool):
+            raise UsageError(f"relay must be True or False, not {self.relay!r}")
         if isinstance(self.spare_hosts, str):
             object.__setattr__(self, "spare_hosts", tuple(h for h in self.spare_hosts.split(",") if h))
         if (isinstance(self.host_timeout, bool) or not isinstance(self.host_timeout, (int, float))
@@ -281,14 +288,14 @@ class RankEnv:
             generation=int(env.get(ENV_GENERATION, "0")),
             identity=env.get(ENV_IDENTITY) or f"r{env['RANK']}.{env.get(ENV_INCARNATION, '0')}",
             max_message_bytes=int(env.get(ENV_MAX_MESSAGE, str(4 << 30))),
-            curve=_curve_keys(env),
+            curve=curve_keys(env),
             shm_threshold=int(env[ENV_SHM]) if env.get(ENV_SHM, "").isdigit() else None,
             gpu_ipc=env.get(ENV_GPU_IPC, "") == "1",
             link_fd=int(env[ENV_LINK_FD]) if env.get(ENV_LINK_FD, "").isdigit() else None,
         )
 
 
-def _curve_keys(env: dict[str, str] | os._Environ[str]) -> tuple[bytes, bytes, bytes] | None:
+def curve_keys(env: dict[str, str] | os._Environ[str]) -> tuple[bytes, bytes, bytes] | None:
     names = (ENV_CURVE_SERVER, ENV_CURVE_PUBLIC, ENV_CURVE_SECRET)
     values = [env.get(n, "") for n in names]
     if not any(values):

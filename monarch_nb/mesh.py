@@ -609,11 +609,17 @@ class Mesh(_RankSet):
     def _tell_respawns(self, ctl: Controller) -> None:
         """First line of a call's output: ranks respawned since the last
         call (their namespaces are new), from the event log."""
-        events = self.events
-        lines = notices.respawn_notices(events, self._told,
+        # only the events after the cursor: the log grows with the mesh's life
+        # (two per rank at start), and this runs before every call
+        newer = []
+        for event in reversed(list(ctl.events)):
+            if event.time <= self._told:
+                break
+            newer.append(event)
+        lines = notices.respawn_notices([e.as_dict() for e in reversed(newer)], self._told,
                                         (str(c.get("name", "")) for c in ctl.calls.setup_cells))
-        if events:
-            self._told = max(self._told, float(events[-1]["time"]))
+        if newer:
+            self._told = max(self._told, newer[0].time)
         for line in lines:
             print(line, file=sys.stderr)
 

@@ -4,7 +4,8 @@ rank processes. Hosts are names here and the remote shell is ``sh -c``
 the ssh launcher reaches one; tests/test_netns.py does it across network
 namespaces, where a lost host is a namespace removed.
 
-* one agent per host, never one session per rank;
+* one agent per host, never one session per rank; a call to its ranks is
+  one message to the host, their results come back batched;
 * a killed remote rank comes back from its host's warm spare;
 * a stopped (SIGSTOP) remote rank is seen as stopped through its agent;
 * a lost host (its agent and ranks killed): without a spare host its ranks
@@ -121,6 +122,14 @@ def test_one_agent_per_host_and_a_killed_rank_comes_from_its_spare(two_hosts: di
         # each agent started two of the ranks (and maybe its spare already)
         by_agent = [{c.pid for c in _workers(a)} for a in agents.values()]
         assert sorted(len(set(pids.values()) & mine) for mine in by_agent) == [2, 2], by_agent
+        # one message per host each way: a call to the 4 ranks is 2 fan-outs,
+        # their 4 results come back in the agents' batches (wire/relay.py)
+        relayed = mesh._ctl.io.relayed
+        before = dict(relayed)
+        assert mesh.run(lambda: 7) == dict.fromkeys(range(4), 7)
+        assert relayed["fan-outs"] - before["fan-outs"] == 2, relayed
+        assert relayed["messages"] - before["messages"] >= 4, relayed
+        assert relayed["batches"] - before["batches"] <= relayed["messages"] - before["messages"]
         # each host keeps a warm spare once its ranks started
         wait_for(lambda: all(_spare_waits(a, set(pids.values())) for a in _agents().values()),
                  timeout=90, what="a spare with torch imported on each host")
@@ -207,10 +216,10 @@ def test_a_spare_host_must_be_free_and_needs_a_multi_host_launcher(two_hosts: di
 
 # -- the channel ----------------------------------------------------------------------------
 def test_agent_messages_round_trip_and_wrong_fields_are_refused() -> None:
-    line = agentwire.encode("spawn", sid=1, rank=2, inc=0, env={"A": "b"}, spare=True)
+    line = agentwire.encode("spawn", sid=1, rank=2, inc=0, env={"A": "b"}, spare=True, relay="agent.a.1")
     assert agentwire.decode(line, agentwire.TO_AGENT)["env"] == {"A": "b"}
     for bad in (b"", b"[]", b'{"op": "spawn"}', b'{"op": "nope"}',
-                agentwire.encode("spawn", sid=True, rank=2, inc=0, env={}, spare=True),
+                agentwire.encode("spawn", sid=True, rank=2, inc=0, env={}, spare=True, relay=""),
                 agentwire.encode("exit", sid=1, code="0", flight=""),
                 agentwire.encode("started", sid=1, pid=3, spare=True)):  # not to an agent
         with pytest.raises(ValueError):

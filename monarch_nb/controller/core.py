@@ -97,6 +97,11 @@ class Controller:
             shm_threshold=cfg.shm_threshold,
             local_links=cfg.local_link,
         )
+        launcher = self.supervisor.launcher
+        if getattr(launcher, "relays", False) is True and cfg.relay:
+            # a launcher whose ranks' main channels go through their host's
+            # agent (procs/agents.py): one message per host (wire/hostrelay.py)
+            launcher.route = self.io.attach_relay  # type: ignore[attr-defined]
         # CUDA tensors by IPC handle (opt-in; wire/gpuipc.py): local ranks on
         # GPUs only. Rank r's GPU is this process's cuda:<its local rank>
         # (backends.pin_env gives it the local_rank-th of our visible GPUs).

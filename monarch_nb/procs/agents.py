@@ -12,6 +12,12 @@ pidfd. Its log arrives from the agent and is written to the rank's log
 file here, its flight records with its exit: ``%monarch logs``, RankDied's
 last lines and the collective it died in read them as for a local rank.
 
+The ranks' main channels (calls, cells, results) go through their agent's
+relay (wire/hostrelay.py): one connection per host to the controller, one
+message per host for a call to its ranks. :attr:`AgentLauncher.route` is
+how the controller learns, before each rank starts, which agent speaks for
+it (transport.IOLoop.attach_relay).
+
 A lost host: an agent that says nothing for ``host_timeout`` seconds (it
 ticks every 0.2 s), or whose session ends, or that cannot be started, is
 lost. Each of its ranks then ends with ``lost`` set to the host's name and
@@ -29,11 +35,13 @@ from __future__ import annotations
 import base64
 import itertools
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -112,8 +120,11 @@ class HostAgent:
     """One host's agent: its session, and the ranks it runs for us."""
 
     def __init__(self, host: str, argv: list[str], env: dict[str, str], log_path: str,
-                 host_timeout: float) -> None:
+                 host_timeout: float, route: Route | None = None) -> None:
         self.host, self.host_timeout = host, host_timeout
+        # the routing id of its relay (unguessable, as a rank's), when routed
+        self.route = route
+        self.relay_id = f"agent.{host}.{secrets.token_hex(8)}" if route is not None else ""
         self.processes: dict[int, RemoteRank] = {}  # by spawn number, until each one's exit
         self._sids = itertools.count(1)
         self.lost = ""
@@ -153,7 +164,11 @@ class HostAgent:
         if self.lost:
             handle.ended(LOST_CODE, self.lost)
             return handle
-        self.send("spawn", sid=handle.sid, rank=rank, inc=inc, env=_shipped(env), spare=spare)
+        if self.route is not None:  # before it starts: its first message is expected
+            ident = env.get(config.ENV_IDENTITY) or f"r{rank}.{inc}"
+            self.route(f"{ident}.main".encode(), self.relay_id.encode())
+        self.send("spawn", sid=handle.sid, rank=rank, inc=inc, env=_shipped(env), spare=spare,
+                  relay=self.relay_id)
         if not handle.started.wait(STARTED_TIMEOUT_S):
             self.lose(f"no answer to starting rank {rank} in {STARTED_TIMEOUT_S:.0f} s")
         return handle
@@ -262,9 +277,15 @@ def _shipped(env: dict[str, str]) -> dict[str, str]:
     return dict(spec["env"])
 
 
+Route = Callable[[bytes, bytes], None]  # (a rank's main id, its agent's relay id)
+
+
 @dataclass
 class AgentLauncher:
-    """Remote ranks through one agent per host (ssh or SLURM underneath)."""
+    """Remote ranks through one agent per host (ssh or SLURM underneath).
+    ``route``: set by the controller (its I/O loop's attach_relay) to carry
+    the ranks' main channels through the agents; None: each rank connects
+    its own DEALER."""
 
     inner: SshLauncher | SlurmLauncher
     spare_hosts: list[str] = field(default_factory=list)
@@ -278,6 +299,8 @@ class AgentLauncher:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _watch: threading.Thread | None = None
     _closed: bool = False
+    relays: bool = True  # its ranks' main channels can go through the agents (``route``)
+    route: Route | None = None
 
     @property
     def name(self) -> str:
@@ -310,7 +333,8 @@ class AgentLauncher:
             if agent is None or (agent.lost and host not in self.lost_hosts):
                 argv = self.inner.agent_command(host, self.controller_timeout)
                 log_path = os.path.join(os.path.dirname(log_name), f"agent-{host}.log")
-                agent = HostAgent(host, argv, _local_env(env), log_path, self.host_timeout)
+                agent = HostAgent(host, argv, _local_env(env), log_path, self.host_timeout,
+                                  self.route)
                 self.agents[host] = agent
             if self._watch is None:
                 self._watch = threading.Thread(target=self._watcher, daemon=True,

@@ -35,7 +35,10 @@ TO_AGENT: dict[str, dict[str, type | tuple[type, ...]]] = {
     # ``sid``: this spawn's number, unique for the agent's life; every
     # message about the process it starts carries it (a rank restarted with
     # the same incarnation is still another process)
-    "spawn": {"sid": int, "rank": int, "inc": int, "env": dict, "spare": bool},
+    # ``relay``: the routing id of the agent's one connection to the
+    # controller, which carries the rank's main channel (wire/hostrelay.py);
+    # "" for none (the rank then connects its own DEALER)
+    "spawn": {"sid": int, "rank": int, "inc": int, "env": dict, "spare": bool, "relay": str},
     # ``tree``: the rank's whole process group (killpg), else its process
     "signal": {"sid": int, "sig": int, "tree": bool},
     "ping": {},

@@ -12,8 +12,11 @@ persisted flight records; it reports every rank's process state each tick
 rank: liveness.py), and streams each rank's log back, so ``%monarch logs``
 and the death causes read it as they read a local rank's.
 
-The agent runs no user code. The ranks still talk to the controller over
-their own signed, encrypted ZeroMQ channel: the agent cannot forge a call.
+The agent runs no user code. Its relay (wire/hostrelay.py) carries the ranks'
+main channels over its one connection to the controller, one message per
+host each way; every message in it keeps its end-to-end signature, so the
+agent cannot forge a call. The ranks' control channels (heartbeats,
+interrupts, output, stacks) are their own encrypted DEALERs.
 
 No orphans: end of file on stdin (the ssh / srun session is gone), a
 ``stop``, or no line from the controller for ``controller_timeout``
@@ -43,6 +46,8 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from .. import config, flight
+from ..wire import link as links
+from ..wire.hostrelay import Relay
 from . import agentwire, spares
 from .liveness import os_state
 from .supervisor import kill_tree
@@ -77,6 +82,8 @@ class Agent:
     spare_log: str = ""
     spare_env: dict[str, str] | None = None
     spare_due: float | None = None
+    spare_link: tuple[socket.socket, int] | None = None  # our end of the spare's link, its fd there
+    relay: Relay | None = None
     stopping: bool = False
     _heard: float = field(default_factory=time.monotonic)  # the controller's last line
     _out_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -131,6 +138,9 @@ class Agent:
             except ValueError as exc:
                 self.send("error", text=str(exc))
                 return
+            if msg["relay"] and self.relay is None:  # the controller routes through us from now
+                self.relay = Relay(msg["relay"], env[config.ENV_CONTROLLER],
+                                   config.curve_keys(env), _max_bytes(env))
             self.spawn(msg["sid"], msg["rank"], msg["inc"], env, bool(msg["spare"]))
         elif op == "signal":
             child = next((c for c in self.children.values() if c.sid == msg["sid"]), None)
@@ -149,20 +159,48 @@ class Agent:
         log_path = os.path.join(self.folder, f"rank{rank}.{inc}.{sid}.log")
         env = {**os.environ, **spec, config.ENV_PARENT_PID: str(os.getpid()),
                flight.PERSIST_ENV: flight.persist_path(log_path)}
+        env.pop(config.ENV_LINK_FD, None)
         popen = None
+        ours: socket.socket | None = None
         if self.spare is not None and spares.is_waiting(self.spare_log):
             candidate, self.spare = self.spare, None
+            spare_link, self.spare_link = self.spare_link, None
+            if spare_link is not None and self.relay is not None:
+                ours = spare_link[0]
+                env[config.ENV_LINK_FD] = str(spare_link[1])
+            elif spare_link is not None:
+                spare_link[0].close()
             if spares.assign(candidate, env, log_path):
                 popen = candidate
             else:
                 spares.discard(candidate)
+                if ours is not None:
+                    ours.close()
+                    ours = None
+                env.pop(config.ENV_LINK_FD, None)
         from_spare = popen is not None
         if popen is None:
-            with open(log_path, "ab", buffering=0, opener=config.private) as log:
-                popen = subprocess.Popen([sys.executable, "-m", "monarch_nb.worker"], env=env,
-                                         stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                         close_fds=True)
+            theirs = None
+            if self.relay is not None:
+                ours, theirs = links.pair()
+                env[config.ENV_LINK_FD] = str(theirs.fileno())
+            try:
+                with open(log_path, "ab", buffering=0, opener=config.private) as log:
+                    popen = subprocess.Popen(
+                        [sys.executable, "-m", "monarch_nb.worker"], env=env,
+                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                        start_new_session=True, close_fds=True,
+                        pass_fds=() if theirs is None else (theirs.fileno(),))
+            except BaseException:
+                if ours is not None:
+                    ours.close()
+                raise
+            finally:
+                if theirs is not None:
+                    theirs.close()  # the rank holds it now
+        if ours is not None and self.relay is not None:
+            ident = spec.get(config.ENV_IDENTITY) or f"r{rank}.{inc}"
+            self.relay.add(f"{ident}.main", ours)
         child = Child(sid, rank, inc, popen, log_path)
         with self._lock:
             old = self.children.get(rank)
@@ -185,7 +223,16 @@ class Agent:
         if (self.spare is None and self.spare_env is not None and self.spare_due is not None
                 and time.monotonic() >= self.spare_due and not self.stopping):
             self.spare_log = os.path.join(self.folder, f"spare{time.monotonic_ns()}.log")
-            self.spare = spares.start(self.spare_env, self.spare_log)
+            ours, theirs = links.pair() if self.relay is not None else (None, None)
+            try:
+                self.spare = spares.start(self.spare_env, self.spare_log,
+                                          () if theirs is None else (theirs.fileno(),))
+            finally:
+                if theirs is not None:
+                    theirs_fd = theirs.fileno()
+                    theirs.close()
+            if ours is not None:
+                self.spare_link = (ours, theirs_fd)
 
     def _wait(self, child: Child) -> None:
         code = child.popen.wait()
@@ -238,6 +285,8 @@ class Agent:
         self.stopping = True
         if self.spare is not None:
             spares.discard(self.spare)
+        if self.spare_link is not None:
+            self.spare_link[0].close()
         deadline = time.monotonic() + grace
         for child in list(self.children.values()):
             try:
@@ -250,7 +299,14 @@ class Agent:
                 child.popen.wait(timeout=5)
             except (OSError, subprocess.TimeoutExpired):
                 pass
+        if self.relay is not None:
+            self.relay.close()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _max_bytes(env: dict[str, str]) -> int:
+    value = env.get(config.ENV_MAX_MESSAGE, "")
+    return int(value) if value.isdigit() else 4 << 30
 
 
 def _read_lines(stream: IO[bytes], lines: queue.Queue[bytes | None]) -> None:

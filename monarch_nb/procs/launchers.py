@@ -89,6 +89,12 @@ class Handle(Protocol):
 
 
 class Launcher(Protocol):
+    """Starts rank processes. Optional attributes the controller reads:
+    ``links = True`` (a local launcher whose ranks inherit a link's end,
+    wire/link.py) and ``relays = True`` (its ranks' main channels go through
+    an agent per host: the controller sets ``route``, called with a rank's
+    main id and its agent's id before the rank starts; procs/agents.py)."""
+
     @property
     def name(self) -> str: ...
 

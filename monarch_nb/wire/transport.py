@@ -50,6 +50,7 @@ from ..errors import ProtocolError, UsageError, no_free_port
 from .endpoints import ZAP_ENDPOINT, CurveKeys, bind_host
 from .link import DROPPED, Link
 from .protocol import Codec, Message
+from .relay import pack_fanout, unpack_batch
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,13 @@ class IOLoop:
         # first is written by any thread (a dict store), read by the leader.
         self._links: dict[bytes, Link] = {}
         self._link_fds: dict[int, tuple[bytes, Link]] = {}
+        # Remote ranks behind a host agent (relay.py): a rank's main id ->
+        # its agent's routing id, and the agents. Written by any thread (dict
+        # stores), read by the leader.
+        self._relays: dict[bytes, bytes] = {}
+        self._agents: dict[bytes, int] = {}  # agent id -> ranks routed through it
+        # messages sent to agents ("fan-outs"), batches from them, rank messages in those
+        self.relayed: collections.Counter[str] = collections.Counter()
         self.max_message_bytes = max_message_bytes
         # Pidfds and links (one each per rank) wait in one epoll set, which
         # is a single entry of ZeroMQ's poll: zmq_poll walks every entry on
@@ -190,6 +198,26 @@ class IOLoop:
             self._watch(link.fd, _EPOLL_IN_OUT if link.waiting else select.EPOLLIN)
 
         self.call_soon(watch)
+
+    def attach_relay(self, ident: bytes, agent: bytes) -> None:
+        """From now on, messages to ``ident`` (a remote rank's main id) go
+        through ``agent`` (its host agent's routing id), one message per
+        host for a call to several of its ranks, and ``agent`` may relay
+        messages signed by ``ident`` (relay.py). Thread-safe; call it before
+        the rank is started, so its first message is expected."""
+        old = self._relays.get(ident)
+        if old == agent:
+            return
+        self._relays[ident] = agent
+        self._agents[agent] = self._agents.get(agent, 0) + 1
+        if old is not None:
+            self._agents[old] -= 1
+
+    def detach_relay(self, ident: bytes) -> None:
+        """``ident``'s process is gone: its agent may no longer speak for it."""
+        agent = self._relays.pop(ident, None)
+        if agent is not None:
+            self._agents[agent] -= 1
 
     @property
     def links(self) -> int:
@@ -286,6 +314,8 @@ class IOLoop:
         last = len(frames) - 1
         links = self._links
         small: list[bool] | None = None
+        if self._relays:
+            idents = self._send_relayed(idents, frames)
         for ident in idents:
             if links:
                 link = links.get(ident)
@@ -301,6 +331,52 @@ class IOLoop:
                     socket_send(router, frame, _SNDMORE if i < last else 0, small[i])
             except zmq.ZMQError as exc:  # peer gone: the supervisor reports deaths
                 log.debug("send to %r failed: %s", ident, exc)
+
+    def _send_relayed(self, idents: Sequence[bytes], frames: Sequence[Any]) -> Sequence[bytes]:
+        """Send to the ranks of ``idents`` behind host agents, one message
+        per agent (relay.py); the others are left to the caller."""
+        relays = self._relays
+        by_agent: dict[bytes, list[bytes]] = {}
+        rest = []
+        for ident in idents:
+            agent = relays.get(ident)
+            if agent is None:
+                rest.append(ident)
+            else:
+                by_agent.setdefault(agent, []).append(ident)
+        if by_agent:
+            small = [isinstance(f, bytes) or memoryview(f).nbytes < _COPY_BELOW for f in frames]
+            last = len(frames) - 1
+            router = self.router
+            for agent, members in by_agent.items():
+                self.relayed["fan-outs"] += 1
+                try:
+                    socket_send(router, agent, _SNDMORE)
+                    socket_send(router, pack_fanout(members), _SNDMORE)
+                    for i, frame in enumerate(frames):
+                        socket_send(router, frame, _SNDMORE if i < last else 0, small[i])
+                except zmq.ZMQError as exc:  # the agent is gone: its host is lost (agents.py)
+                    log.debug("send to agent %r failed: %s", agent, exc)
+        return rest
+
+    def _deliver_batch(self, agent: bytes, frames: list[Any]) -> None:
+        """A host agent's batch: each message in it verified as sent by its
+        rank, which must be one of this agent's (relay.py)."""
+        try:
+            entries = unpack_batch(frames[0].bytes, len(frames) - 1)
+        except ProtocolError as exc:
+            self._drop(agent, exc)
+            return
+        self.relayed["batches"] += 1
+        self.relayed["messages"] += len(entries)
+        relays, at = self._relays, 1
+        for ident, n in entries:
+            part, at = frames[at:at + n], at + n
+            if relays.get(ident) != agent:
+                self._drop(agent, ProtocolError("relay-foreign",
+                                                f"{ident[:64]!r} is not a rank of this agent"))
+                continue
+            self._deliver(ident, self._ident_str(ident), part)
 
     def run_once(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
         """One turn of the loop: wait up to ``timeout`` s for anything, then
@@ -412,6 +488,11 @@ class IOLoop:
             while frame.more:
                 frame = recv(0, copy=False)
                 frames.append(frame)
+            if self._agents and ident in self._agents:
+                self._deliver_batch(ident, frames)
+                if until is not None and until():
+                    return
+                continue
             sender = idents.get(ident)
             if sender is None:
                 sender = self._ident_str(ident)
