@@ -1,6 +1,8 @@
-"""``--launcher slurm`` on a real SLURM cluster: munged, slurmctld and two
-slurmd daemons (nodes n1, n2 on this machine) started by the fixture
+"""``--launcher slurm`` on a real SLURM cluster: munged, slurmctld and three
+slurmd daemons (nodes n1, n2, n3 on this machine) started by the fixture
 (tests/engines.py); the launch runs inside ``salloc`` like a user's would.
+One job step per node (its host agent), never one per rank; a node taken
+down is replaced by the allocation's spare node.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Slurm]:
-    with slurm_cluster(nodes=2) as c:
+    with slurm_cluster(nodes=3) as c:
         yield c
 
 
@@ -115,3 +117,70 @@ def test_mesh_kill_of_a_slurm_rank_respawns_it_and_leaves_nothing(cluster: Slurm
     alive = [p for p in pids if psutil.pid_exists(p)
              and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"ranks outlived their mesh: {alive}"
+
+
+NODE_DOWN_DRIVER = """
+    import os, subprocess, time
+    import psutil
+    import monarch_nb as mnb
+    from monarch_nb import Mesh
+
+    job = os.environ["SLURM_JOB_ID"]
+
+    def steps():
+        out = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"],
+                             capture_output=True, text=True).stdout.split()
+        return sorted(s for s in out if not s.endswith((".extern", ".interactive")))
+
+    def node():
+        return (mnb.rank(), mnb.incarnation(), os.environ["SLURMD_NODENAME"])
+
+    # 3 nodes allocated, 2 placed: n3 is the spare host
+    with Mesh.start(n=2, backend="cpu", launcher="slurm", nodes=2, gpus_per_node=1,
+                    host_timeout=5, start_timeout=120) as mesh:
+        print("placed", mesh.run(node))
+        before = steps()
+        mesh.kill(1)                       # a rank killed: its agent respawns it, no new step
+        print("killed", mesh.run(node, timeout=90))
+        print("steps", len(before), len(steps()), before == steps())
+        # node n2 goes down: marked down, and everything it ran killed
+        subprocess.run(["scontrol", "update", "nodename=n2", "state=down", "reason=test"],
+                       check=True)
+        for p in psutil.process_iter():
+            try:
+                if (p.environ().get("SLURMD_NODENAME") == "n2"
+                        and any("monarch_nb" in a for a in p.cmdline())):
+                    p.kill()
+            except psutil.Error:
+                pass
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and mesh.status()[1]["state"] != "ready":
+            time.sleep(0.2)
+        print("moved", mesh.run(node, timeout=90))
+        print("events", [e["detail"] for e in mesh.events if e["rank"] == 1 and e["kind"] == "died"])
+"""
+
+
+def test_a_node_taken_down_is_replaced_by_the_allocations_spare_node(cluster: Slurm,
+                                                                       tmp_path: Path) -> None:
+    """Three nodes allocated (``--no-kill``: a failed node must not end the
+    job), two placed. A rank killed is respawned by its node's agent
+    without a new job step; node n2 set down and its processes killed: its
+    rank comes back on n3, the spare node, with its rank number."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(NODE_DOWN_DRIVER))
+    env = dict(cluster.env)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    try:
+        res = subprocess.run(["salloc", "-N3", "-n3", "--no-kill", sys.executable, str(driver)],
+                             env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    finally:
+        subprocess.run(["scontrol", "update", "nodename=n2", "state=resume"], env=env,
+                       capture_output=True, check=False)
+    out = res.stdout
+    assert res.returncode == 0, out + res.stderr
+    assert "placed RankResults({0: (0, 0, 'n1'), 1: (1, 0, 'n2')})" in out, out
+    assert "killed RankResults({0: (0, 0, 'n1'), 1: (1, 1, 'n2')})" in out, out
+    assert "steps 2 2 True" in out, out  # one step per node, the respawn made none
+    assert "moved RankResults({0: (0, 0, 'n1'), 1: (1, 2, 'n3')})" in out, out
+    assert "host n2 lost" in out.split("events ")[1], out
