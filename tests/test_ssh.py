@@ -1,7 +1,10 @@
-"""``--launcher ssh`` through a real sshd: one sshd in each of two network
+"""``--launcher ssh`` through a real sshd: one sshd in each of three network
 namespaces (hosts), the controller in the root namespace on the bridge; the
-ranks are started by the real ``ssh`` client and read their keys from its
-stdin. A rank whose ssh dies goes too (its stdin closes) and is respawned.
+host agents are started by the real ``ssh`` client and read their orders
+(keys included) from its stdin. A rank killed is respawned by its agent. A
+partition (a host's link down, nothing closed): the host is lost after
+``host_timeout``, its rank comes back on the spare host, and what ran on the
+cut-off host exits on its own.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ pytestmark = pytest.mark.netns
 
 @pytest.fixture(scope="module")
 def sshd() -> Iterator[Sshd]:
-    with netns_hosts(2) as hosts, tempfile.TemporaryDirectory() as folder, \
+    with netns_hosts(3) as hosts, tempfile.TemporaryDirectory() as folder, \
             sshd_in(hosts, folder) as s:
         yield s
 
@@ -56,3 +59,51 @@ def test_ssh_launcher_over_real_ssh(sshd: Sshd, monkeypatch: pytest.MonkeyPatch)
         mesh.stop()
     wait_for(lambda: not any(_alive(p) for p in pids), timeout=15,
              what="every remote rank to exit with its mesh")
+
+
+def _monarch_pids_in(ns: str) -> list[int]:
+    import subprocess
+
+    res = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
+    out = []
+    for pid in (int(p) for p in res.stdout.split()):
+        try:
+            if any("monarch_nb" in a for a in psutil.Process(pid).cmdline()):
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def test_a_partitioned_host_is_lost_and_its_rank_moves_to_the_spare(
+        sshd: Sshd, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    hosts = sshd.hosts
+    monkeypatch.setenv("MONARCH_NB_SSH", sshd.template)
+    mesh = Mesh.start(n=2, backend="cpu", launcher="ssh", hosts=",".join(hosts.addrs[:2]),
+                      spare_hosts=hosts.addrs[2], bind=hosts.bridge_addr, start_timeout=90,
+                      master_addr=hosts.addrs[0], host_timeout=3, controller_timeout=5)
+    cut = False
+    try:
+        where = lambda: os.environ.get("SSH_CONNECTION", "").split()[2]  # noqa: E731
+        assert mesh.run(where) == {0: hosts.addrs[0], 1: hosts.addrs[1]}
+        assert _monarch_pids_in(hosts.names[1]), "host B runs its agent and rank"
+        # host B drops off the network: nothing is closed, nothing is said
+        subprocess.run(["ip", "link", "set", hosts.links[1], "down"], check=True)
+        cut = True
+        wait_for(lambda: mesh.status()[1]["state"] == "ready"
+                 and mesh.status()[1]["incarnation"] >= 1, timeout=90,
+                 what="rank 1 back on the spare host")
+        assert mesh.run(where, timeout=60) == {0: hosts.addrs[0], 1: hosts.addrs[2]}
+        assert mesh.exec("import torch, torch.distributed as dist\nx = torch.ones(1)\n"
+                         "dist.all_reduce(x)\nx.item()", timeout=60) == {0: 2.0, 1: 2.0}
+        died = [e["detail"] for e in mesh.events if e["rank"] == 1 and e["kind"] == "died"]
+        assert any(f"host {hosts.addrs[1]} lost" in d for d in died), died
+        # on the cut-off host, the agent and its rank hear no controller: they exit
+        wait_for(lambda: not _monarch_pids_in(hosts.names[1]), timeout=30,
+                 what="the partitioned host's agent and rank to exit on their own")
+    finally:
+        if cut:
+            subprocess.run(["ip", "link", "set", hosts.links[1], "up"], check=False)
+        mesh.stop()
