@@ -43,6 +43,8 @@ ENV_MAX_MESSAGE = "MONARCH_NB_MAX_MESSAGE"  # results larger than this are refus
 ENV_SHM = "MONARCH_NB_SHM_THRESHOLD"  # local ranks: frames this big go by shared memory
 ENV_GPU_IPC = "MONARCH_NB_GPU_IPC"  # "1": local ranks send CUDA tensors by IPC handle
 ENV_LINK_FD = "MONARCH_NB_LINK_FD"  # local ranks: the fd of their end of the link (wire/link.py)
+# ranks behind a host agent: the fd of their end of the control link (wire/hostrelay.py)
+ENV_CTL_LINK_FD = "MONARCH_NB_CTL_LINK_FD"
 # CurveZMQ (non-loopback meshes): the controller's public key and this rank's
 # client key pair, Z85 text. The secret travels like the HMAC key: environment
 # or 0600 file, never argv.
@@ -123,10 +125,11 @@ class MeshConfig:
         the call path, about half the CPU of a no-op call. Messages on it are
         signed and verified all the same. ``False`` puts every rank on
         ZeroMQ (to compare, or to debug the transport).
-    relay: a *remote* rank's main channel goes through its host's agent
+    relay: a *remote* rank's channels go through its host's agent
         (wire/hostrelay.py): one connection per host, one message per host
-        for a call to its ranks, batched results. Signed end to end all the
-        same. ``False`` gives each remote rank its own DEALER (to compare).
+        for a call to its ranks, batched results and heartbeats. Signed end
+        to end all the same. ``False`` gives each remote rank its own two
+        DEALERs (to compare).
     """
 
     n: int | None = None
@@ -260,6 +263,7 @@ class RankEnv:
     shm_threshold: int | None = None  # None: no shared memory (a remote or joined rank)
     gpu_ipc: bool = False  # CUDA tensors by IPC handle with the controller (a local GPU rank)
     link_fd: int | None = None  # a local rank's end of its link (wire/link.py), else a DEALER
+    ctl_link_fd: int | None = None  # a rank behind a host agent: its control link, else a DEALER
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> RankEnv:
@@ -292,6 +296,8 @@ class RankEnv:
             shm_threshold=int(env[ENV_SHM]) if env.get(ENV_SHM, "").isdigit() else None,
             gpu_ipc=env.get(ENV_GPU_IPC, "") == "1",
             link_fd=int(env[ENV_LINK_FD]) if env.get(ENV_LINK_FD, "").isdigit() else None,
+            ctl_link_fd=(int(env[ENV_CTL_LINK_FD]) if env.get(ENV_CTL_LINK_FD, "").isdigit()
+                         else None),
         )
 
 

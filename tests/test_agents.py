@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from monarch_nb import Mesh, MonarchError, UsageError
 from monarch_nb.procs import agentwire
+from monarch_nb.wire.protocol import Kind
 
 from .conftest import wait_for
 
@@ -145,6 +146,54 @@ def test_one_agent_per_host_and_a_killed_rank_comes_from_its_spare(two_hosts: di
     finally:
         mesh.stop()
     wait_for(lambda: not _agents(), timeout=20, what="the agents to end with the mesh")
+
+
+def test_output_stacks_interrupts_and_heartbeats_go_through_the_agents(two_hosts: dict) -> None:
+    """Both of a remote rank's channels are links to its agent: output,
+    stacks, an interrupt and the heartbeats all travel in the host's one
+    connection, and no rank has a socket of its own to the controller."""
+    from monarch_nb.controller.calls.output import CallOutput
+
+    mesh = _start()
+    try:
+        io = mesh._ctl.io
+        assert set(io._relays) == {i for info in mesh._ctl.ranks
+                                   for i in (info.main_id, info.ctl_id)}, io._relays
+        # no rank has a connection of its own to the controller; each agent has one
+        port = int(io.endpoint.rsplit(":", 1)[1])
+
+        def to_controller(proc: psutil.Process) -> int:
+            return sum(1 for c in proc.net_connections(kind="tcp")
+                       if c.raddr and c.raddr.port == port)
+
+        pids = mesh.run(os.getpid)
+        assert [to_controller(psutil.Process(p)) for p in pids.values()] == [0, 0, 0, 0]
+        assert sorted(to_controller(a) for a in _agents().values()) == [1, 1]
+        heard_before = dict(io.relayed)
+        seen: list[tuple[str, str]] = []
+        out = CallOutput(lambda stream, text: seen.append((stream, text)))
+        code = "import os\nprint('hello from', os.environ['RANK'])"
+        fut = mesh._ctl.submit(Kind.EXEC, (0, 1, 2, 3), [], {"code": code, "name": "<t>"}, out)
+        assert mesh.wait(fut, timeout=60) == dict.fromkeys(range(4))
+        text = "".join(t for stream, t in seen if stream == "stdout")
+        for r in range(4):
+            assert f"[{r}] hello from {r}\n" in text, seen
+        stacks = mesh.stacks()
+        assert sorted(stacks) == [0, 1, 2, 3], stacks
+        slow = mesh.exec_async("import time\ntime.sleep(60)")
+        wait_for(lambda: all(r["state"] == "busy" for r in mesh.status()), timeout=30,
+                 what="the ranks to be busy")
+        assert slow.cancel()
+        assert mesh.run(lambda: "back", timeout=30) == dict.fromkeys(range(4), "back")
+        # heartbeats keep coming while nobody calls, in the agents' batches
+        before = io.relayed["messages"]
+        wait_for(lambda: io.relayed["messages"] >= before + 8, timeout=10,
+                 what="heartbeats through the agents")
+        assert io.relayed["batches"] > heard_before["batches"]
+        assert not mesh.dropped, mesh.dropped
+        assert all(r["incarnation"] == 0 for r in mesh.status())  # none died on the way
+    finally:
+        mesh.stop()
 
 
 def test_a_stopped_remote_rank_is_seen_through_its_agent(two_hosts: dict) -> None:

@@ -365,10 +365,10 @@ class Controller:
         self.recovery.tick(now)
         if now - self._last_ping >= self.cfg.heartbeat_interval:
             self._last_ping = now
-            frames = self.codec.sign(Kind.PING)
-            for info in self.ranks:
-                if info.state in LIVE or info.state in ON_ITS_WAY:
-                    self.io.send(info.ctl_id, frames)
+            # one message per host behind agents (the same signed frames to each)
+            self.io.send_many([info.ctl_id for info in self.ranks
+                               if info.state in LIVE or info.state in ON_ITS_WAY],
+                              self.codec.sign(Kind.PING))
         pending = False
         for call in self.calls:
             call.output.flush(now=now)

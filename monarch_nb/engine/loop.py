@@ -44,12 +44,11 @@ from .. import config
 from ..backends import init_group, keep_links_to, native_crash_stacks
 from ..config import RankEnv
 from ..wire import chunks, gpuipc, payloads, serialize, shm
-from ..wire.channels import LinkChannel, MainChannel, SocketChannel, dealer, recv_verified
+from ..wire.channels import LinkChannel, MainChannel, SocketChannel, dealer
 from ..wire.link import Link
 from ..wire.metas import meta_of
 from ..wire.metricframes import encode as encode_metrics
 from ..wire.protocol import Codec, Kind, Message
-from ..wire.transport import send_frames
 from . import context as _context
 from . import debug, flightrec, metrics, pgcompat, spare
 from .capture import OutputBuffer, RankStream
@@ -92,7 +91,13 @@ class Worker:
             LinkChannel(Link.inherited(env.link_fd, env.max_message_bytes))
             if env.link_fd is not None
             else SocketChannel(dealer(self.ctx, self.main_id, env.controller, env.curve)))
-        self.ctl_sock = dealer(self.ctx, self.ctl_id, env.controller, env.curve)
+        # The control channel: a DEALER of its own, or, behind a host agent, a
+        # second link to the agent (wire/hostrelay.py), so a host has one
+        # connection to the controller and heartbeats go up in its batches.
+        self.ctl: MainChannel = (
+            LinkChannel(Link.inherited(env.ctl_link_fd, env.max_message_bytes))
+            if env.ctl_link_fd is not None
+            else SocketChannel(dealer(self.ctx, self.ctl_id, env.controller, env.curve)))
         self.dropped: collections.Counter[str] = collections.Counter()
         self.output = OutputBuffer()
         self.metrics = metrics.buffer()
@@ -385,23 +390,21 @@ class Worker:
             os._exit(4)
 
     def _control_loop(self) -> None:
-        sock, env = self.ctl_sock, self.env
+        ctl, env = self.ctl, self.env
         self._send_ctl(Kind.HELLO, meta={"pid": os.getpid(), "incarnation": env.incarnation,
                                          "host": os.uname().nodename})
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
         next_beat = next_metrics = 0.0
         health = HealthProbe()
         while True:
             busy = self.running_call != 0 or self.output.pending or self.metrics.pending
-            events = poller.poll(int(OUTPUT_FLUSH_S * 1000 if busy else HEARTBEAT_S * 500))
+            ready = ctl.poll(int(OUTPUT_FLUSH_S * 1000 if busy else HEARTBEAT_S * 500))
             now = time.monotonic()
-            if events:
+            if ready:
                 while True:
                     try:
-                        msg = recv_verified(sock, self.ctl_codec, self.dropped) if sock.poll(0) else None
-                    except zmq.ZMQError:
-                        return
+                        msg = ctl.recv(self.ctl_codec, self.dropped) if ctl.poll(0) else None
+                    except (zmq.ZMQError, EOFError, OSError):
+                        return  # the channel is gone (the parent-death signal ends us)
                     if msg is None:
                         break
                     self.last_ping = now
@@ -474,8 +477,7 @@ class Worker:
 
     def _send_ctl(self, kind: Kind, *, call: int = 0, meta: dict[str, Any] | None = None,
                   payload: list[Any] | None = None) -> None:
-        frames = self.ctl_codec.sign(kind, payload or [], call=call, meta=meta)
-        send_frames(self.ctl_sock, frames)
+        self.ctl.send(self.ctl_codec.sign(kind, payload or [], call=call, meta=meta))
 
     def main_location(self) -> str:
         frame = sys._current_frames().get(self.main_thread_id)
@@ -528,6 +530,7 @@ def main() -> None:
         spare.wait_for_assignment()  # torch imported ahead of need (spare.py)
     env = RankEnv.from_environ()
     os.environ.pop(config.ENV_LINK_FD, None)  # the fd is this process's, not its children's
+    os.environ.pop(config.ENV_CTL_LINK_FD, None)
     worker = Worker(env)
     worker.start()
     profile_path = os.environ.get("MONARCH_NB_PROFILE")  # developer aid: cProfile the rank

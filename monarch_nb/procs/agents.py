@@ -12,8 +12,8 @@ pidfd. Its log arrives from the agent and is written to the rank's log
 file here, its flight records with its exit: ``%monarch logs``, RankDied's
 last lines and the collective it died in read them as for a local rank.
 
-The ranks' main channels (calls, cells, results) go through their agent's
-relay (wire/hostrelay.py): one connection per host to the controller, one
+The ranks' channels (main and control) go through their agent's relay
+(wire/hostrelay.py): one connection per host to the controller, one
 message per host for a call to its ranks. :attr:`AgentLauncher.route` is
 how the controller learns, before each rank starts, which agent speaks for
 it (transport.IOLoop.attach_relay).
@@ -166,7 +166,8 @@ class HostAgent:
             return handle
         if self.route is not None:  # before it starts: its first message is expected
             ident = env.get(config.ENV_IDENTITY) or f"r{rank}.{inc}"
-            self.route(f"{ident}.main".encode(), self.relay_id.encode())
+            for channel in ("main", "ctl"):
+                self.route(f"{ident}.{channel}".encode(), self.relay_id.encode())
         self.send("spawn", sid=handle.sid, rank=rank, inc=inc, env=_shipped(env), spare=spare,
                   relay=self.relay_id)
         if not handle.started.wait(STARTED_TIMEOUT_S):

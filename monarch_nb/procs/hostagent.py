@@ -12,11 +12,10 @@ persisted flight records; it reports every rank's process state each tick
 rank: liveness.py), and streams each rank's log back, so ``%monarch logs``
 and the death causes read it as they read a local rank's.
 
-The agent runs no user code. Its relay (wire/hostrelay.py) carries the ranks'
-main channels over its one connection to the controller, one message per
-host each way; every message in it keeps its end-to-end signature, so the
-agent cannot forge a call. The ranks' control channels (heartbeats,
-interrupts, output, stacks) are their own encrypted DEALERs.
+The agent runs no user code. Its relay (wire/hostrelay.py) carries both of
+each rank's channels (main and control, two links) over its one connection
+to the controller, one message per host each way; every message in it
+keeps its end-to-end signature, so the relay cannot forge a call.
 
 No orphans: end of file on stdin (the ssh / srun session is gone), a
 ``stop``, or no line from the controller for ``controller_timeout``
@@ -60,6 +59,41 @@ SPARE_ENV = ("OMP_NUM_THREADS", "PYTHONPATH", "MKL_NUM_THREADS")
 
 
 @dataclass
+class RankLinks:
+    """A rank's two links to the agent's relay (wire/hostrelay.py): its main
+    and control channels. Our ends stay here; its ends are passed to it
+    (``fds``, named in its environment) and closed here once it has them."""
+
+    ENV = (config.ENV_LINK_FD, config.ENV_CTL_LINK_FD)
+
+    main: socket.socket
+    ctl: socket.socket
+    their_main: socket.socket | None
+    their_ctl: socket.socket | None
+    fds: tuple[int, int]
+
+    @classmethod
+    def make(cls) -> RankLinks:
+        main, their_main = links.pair()
+        ctl, their_ctl = links.pair()
+        return cls(main, ctl, their_main, their_ctl, (their_main.fileno(), their_ctl.fileno()))
+
+    def env(self) -> dict[str, str]:
+        return {config.ENV_LINK_FD: str(self.fds[0]), config.ENV_CTL_LINK_FD: str(self.fds[1])}
+
+    def handed_over(self) -> None:
+        for sock in (self.their_main, self.their_ctl):
+            if sock is not None:
+                sock.close()
+        self.their_main = self.their_ctl = None
+
+    def close(self) -> None:
+        self.handed_over()
+        self.main.close()
+        self.ctl.close()
+
+
+@dataclass
 class Child:
     sid: int
     rank: int
@@ -82,7 +116,7 @@ class Agent:
     spare_log: str = ""
     spare_env: dict[str, str] | None = None
     spare_due: float | None = None
-    spare_link: tuple[socket.socket, int] | None = None  # our end of the spare's link, its fd there
+    spare_links: RankLinks | None = None  # the spare's links to our relay (if we relay)
     relay: Relay | None = None
     stopping: bool = False
     _heard: float = field(default_factory=time.monotonic)  # the controller's last line
@@ -159,48 +193,47 @@ class Agent:
         log_path = os.path.join(self.folder, f"rank{rank}.{inc}.{sid}.log")
         env = {**os.environ, **spec, config.ENV_PARENT_PID: str(os.getpid()),
                flight.PERSIST_ENV: flight.persist_path(log_path)}
-        env.pop(config.ENV_LINK_FD, None)
+        for name in RankLinks.ENV:
+            env.pop(name, None)
         popen = None
-        ours: socket.socket | None = None
+        pair: RankLinks | None = None
         if self.spare is not None and spares.is_waiting(self.spare_log):
             candidate, self.spare = self.spare, None
-            spare_link, self.spare_link = self.spare_link, None
-            if spare_link is not None and self.relay is not None:
-                ours = spare_link[0]
-                env[config.ENV_LINK_FD] = str(spare_link[1])
-            elif spare_link is not None:
-                spare_link[0].close()
+            pair, self.spare_links = self.spare_links, None
+            if pair is not None:
+                env.update(pair.env())
             if spares.assign(candidate, env, log_path):
                 popen = candidate
             else:
                 spares.discard(candidate)
-                if ours is not None:
-                    ours.close()
-                    ours = None
-                env.pop(config.ENV_LINK_FD, None)
+                if pair is not None:
+                    pair.close()
+                    pair = None
+                for name in RankLinks.ENV:
+                    env.pop(name, None)
         from_spare = popen is not None
         if popen is None:
-            theirs = None
-            if self.relay is not None:
-                ours, theirs = links.pair()
-                env[config.ENV_LINK_FD] = str(theirs.fileno())
+            pair = RankLinks.make() if self.relay is not None else None
+            if pair is not None:
+                env.update(pair.env())
             try:
                 with open(log_path, "ab", buffering=0, opener=config.private) as log:
                     popen = subprocess.Popen(
                         [sys.executable, "-m", "monarch_nb.worker"], env=env,
                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                         start_new_session=True, close_fds=True,
-                        pass_fds=() if theirs is None else (theirs.fileno(),))
+                        pass_fds=() if pair is None else pair.fds)
             except BaseException:
-                if ours is not None:
-                    ours.close()
+                if pair is not None:
+                    pair.close()
                 raise
             finally:
-                if theirs is not None:
-                    theirs.close()  # the rank holds it now
-        if ours is not None and self.relay is not None:
+                if pair is not None:
+                    pair.handed_over()  # the rank holds its ends now
+        if pair is not None and self.relay is not None:
             ident = spec.get(config.ENV_IDENTITY) or f"r{rank}.{inc}"
-            self.relay.add(f"{ident}.main", ours)
+            self.relay.add(f"{ident}.main", pair.main)
+            self.relay.add(f"{ident}.ctl", pair.ctl)
         child = Child(sid, rank, inc, popen, log_path)
         with self._lock:
             old = self.children.get(rank)
@@ -223,16 +256,17 @@ class Agent:
         if (self.spare is None and self.spare_env is not None and self.spare_due is not None
                 and time.monotonic() >= self.spare_due and not self.stopping):
             self.spare_log = os.path.join(self.folder, f"spare{time.monotonic_ns()}.log")
-            ours, theirs = links.pair() if self.relay is not None else (None, None)
+            pair = RankLinks.make() if self.relay is not None else None
             try:
                 self.spare = spares.start(self.spare_env, self.spare_log,
-                                          () if theirs is None else (theirs.fileno(),))
-            finally:
-                if theirs is not None:
-                    theirs_fd = theirs.fileno()
-                    theirs.close()
-            if ours is not None:
-                self.spare_link = (ours, theirs_fd)
+                                          () if pair is None else pair.fds)
+            except BaseException:
+                if pair is not None:
+                    pair.close()
+                raise
+            if pair is not None:
+                pair.handed_over()
+            self.spare_links = pair  # named to it in its assignment
 
     def _wait(self, child: Child) -> None:
         code = child.popen.wait()
@@ -285,8 +319,8 @@ class Agent:
         self.stopping = True
         if self.spare is not None:
             spares.discard(self.spare)
-        if self.spare_link is not None:
-            self.spare_link[0].close()
+        if self.spare_links is not None:
+            self.spare_links.close()
         deadline = time.monotonic() + grace
         for child in list(self.children.values()):
             try:

@@ -1,11 +1,13 @@
 """A rank's channels to its controller (the rank side of the wire).
 
-Two per rank process (engine/loop.py): ``ctl``, a DEALER used only by the
-control thread (heartbeats, interrupts, output, stacks), and ``main``, used
-only by the main thread (calls, cells, their results): a DEALER too for a
-remote or joined rank (:class:`SocketChannel`), the rank's end of its link
-for a local one (:class:`LinkChannel`, link.py). Both verify every message
-before anyone reads it.
+Two per rank process (engine/loop.py): ``ctl``, used only by the control
+thread (heartbeats, interrupts, output, stacks), and ``main``, used only by
+the main thread (calls, cells, their results). Each is a DEALER
+(:class:`SocketChannel`) or the rank's end of a link (:class:`LinkChannel`,
+link.py): a local rank's main channel is a link with the controller, both
+channels of a rank behind a host agent are links with the agent
+(hostrelay.py), a joined rank (or ``relay=False``) has two DEALERs. Both
+verify every message before anyone reads it.
 
 Non-goals: the controller's side (transport.py), framing (link.py), signing
 (protocol.py).

@@ -1,9 +1,10 @@
 """The host agent's relay: one ZeroMQ connection per host to the controller,
-a link (wire/link.py) to each of the host's ranks.
+two links (wire/link.py) to each of the host's ranks.
 
-A remote rank's main channel (calls, cells, results, what goes ahead of
-them) is a socket pair with its agent, as a local rank's is with the
-controller. The relay thread moves messages between those links and its
+Both of a remote rank's channels are socket pairs with its agent: main
+(calls, cells, results, what goes ahead of them), as a local rank's is
+with the controller, and control (heartbeats, output, metrics, interrupts,
+stacks), so the host has no other connection to the controller. The relay thread moves messages between those links and its
 one DEALER: a fan-out from the controller (wire/relay.py) is sent to each
 rank it names, and what the ranks sent within one turn goes up as one batch.
 So a call to a host's 8 ranks is one message each way on the network, and
@@ -16,9 +17,7 @@ rank's and takes from an agent only messages of the ranks it started
 there. The DEALER is a CurveZMQ client with the mesh's keys where the
 mesh is encrypted: the controller's ZAP allow-list admits it like a rank.
 
-Non-goals: starting ranks (procs/hostagent.py), the envelope's layout (relay.py),
-the ranks' control channel (heartbeats, interrupts, output: their own
-DEALER, so an interrupt never waits behind a result).
+Non-goals: starting ranks (procs/hostagent.py), the envelope's layout (relay.py).
 """
 
 from __future__ import annotations
