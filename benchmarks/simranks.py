@@ -38,7 +38,8 @@ real host agent's relay (monarch_nb/wire/hostrelay.py): a call to its
 ranks arrives once (a fan-out naming them), each rank verifies it with its
 own codec and answers, and the answers of one turn go up as one batch. The
 controller routes through the agent as it does for real agents (the
-launcher's ``route``). The control channel stays one DEALER per rank.
+launcher's ``route``). Both channels go through the agent (heartbeats and
+pings too), so a host is one connection to the controller.
 
 Non-goals: running user code, torch.distributed, respawn (a host is not
 restarted; use ``respawn="off"``), shared memory, CurveZMQ.
@@ -130,7 +131,8 @@ class SimLauncher:
             agent = f"agent.sim{number}"
             if self.route is not None:  # before its first message
                 ident = env.get(config.ENV_IDENTITY) or f"r{rank}"
-                self.route(f"{ident}.main".encode(), agent.encode())
+                for channel in ("main", "ctl"):
+                    self.route(f"{ident}.{channel}".encode(), agent.encode())
         else:
             host = rank % self.hosts
         popen = self.procs.get(host)
@@ -185,7 +187,7 @@ class SimRank:
     """One simulated rank: two sockets, two codecs, what it answers."""
 
     __slots__ = ("rank", "env", "main", "ctl", "main_codec", "ctl_codec", "next_beat", "stopped",
-                 "value", "link", "outbox", "main_id")
+                 "value", "link", "outbox", "main_id", "ctl_id")
 
     def __init__(self, ctx: zmq.Context, env: RankEnv, now: float,
                  link: Link | None = None,
@@ -197,12 +199,14 @@ class SimRank:
         self.link = link
         self.outbox = outbox  # its agent's batch going up (None: its own main channel)
         self.main_id = f"{env.identity}.main".encode()
+        self.ctl_id = f"{env.identity}.ctl".encode()
         self.main = None if link is not None or outbox is not None else dealer(ctx, f"{env.identity}.main",
                                                          env.controller, env.curve)
-        self.ctl = dealer(ctx, f"{env.identity}.ctl", env.controller, env.curve)
-        if self.main is not None:
-            self.main.setsockopt(zmq.LINGER, 0)
-        self.ctl.setsockopt(zmq.LINGER, 0)
+        self.ctl = None if outbox is not None else dealer(ctx, f"{env.identity}.ctl",
+                                                          env.controller, env.curve)
+        for sock in (self.main, self.ctl):
+            if sock is not None:
+                sock.setsockopt(zmq.LINGER, 0)
         self.next_beat = now + HEARTBEAT_S
         self.stopped = False
         self.value = [bytes(f) for f in serialize.dumps(env.rank)]  # EXEC's answer
@@ -229,7 +233,12 @@ class SimRank:
 
     def send_ctl(self, kind: Kind, payload: list[Any] | None = None, *, call: int = 0,
                  meta: dict[str, Any] | None = None) -> None:
-        send_frames(self.ctl, self.ctl_codec.sign(kind, payload or [], call=call, meta=meta))
+        frames = self.ctl_codec.sign(kind, payload or [], call=call, meta=meta)
+        if self.outbox is not None:
+            self.outbox.append((self.ctl_id, frames))
+        else:
+            assert self.ctl is not None
+            send_frames(self.ctl, frames)
 
 
 class Host:
@@ -265,6 +274,7 @@ class Host:
         self.agents: dict[str, tuple[zmq.Socket, list[tuple[bytes, list[Any]]]]] = {}
         self.agent_fds: dict[int, str] = {}
         self.by_main: dict[bytes, SimRank] = {}
+        self.by_ctl: dict[bytes, SimRank] = {}
 
     def add(self, line: bytes) -> None:
         spec = json.loads(line)
@@ -279,6 +289,7 @@ class Host:
             outbox = self.agent(spec["agent"], env)[1]
         rank = SimRank(self.ctx, env, time.monotonic(), link, outbox)
         self.by_main[rank.main_id] = rank
+        self.by_ctl[rank.ctl_id] = rank
         self.ranks.append(rank)
         for sock, main in ((rank.main, True), (rank.ctl, False)):
             if sock is None:
@@ -321,10 +332,14 @@ class Host:
                 continue
             for ident in idents:
                 rank = self.by_main.get(ident)
+                codec = None if rank is None else rank.main_codec
                 if rank is None:
+                    rank = self.by_ctl.get(ident)
+                    codec = None if rank is None else rank.ctl_codec
+                if rank is None or codec is None:
                     continue
                 try:
-                    msg = rank.main_codec.verify(frames[1:])
+                    msg = codec.verify(frames[1:])
                 except Exception as exc:
                     self.dropped[getattr(exc, "reason", "malformed")] += 1
                     continue

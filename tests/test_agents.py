@@ -128,7 +128,8 @@ def test_one_agent_per_host_and_a_killed_rank_comes_from_its_spare(two_hosts: di
         relayed = mesh._ctl.io.relayed
         before = dict(relayed)
         assert mesh.run(lambda: 7) == dict.fromkeys(range(4), 7)
-        assert relayed["fan-outs"] - before["fan-outs"] == 2, relayed
+        # (a ping may fall in between: it is one message per host too)
+        assert relayed["fan-outs"] - before["fan-outs"] in (2, 4), relayed
         assert relayed["messages"] - before["messages"] >= 4, relayed
         assert relayed["batches"] - before["batches"] <= relayed["messages"] - before["messages"]
         # each host keeps a warm spare once its ranks started

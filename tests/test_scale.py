@@ -29,14 +29,18 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize("links", [True, False], ids=["links", "zmq"])
-def test_simulated_ranks_answer_every_call_and_leave_nothing_behind(links: bool) -> None:
-    launcher = SimLauncher(hosts=HOSTS, links=links)
+@pytest.mark.parametrize("links,agents", [(True, 0), (False, 0), (False, 8)],
+                         ids=["links", "zmq", "agents"])
+def test_simulated_ranks_answer_every_call_and_leave_nothing_behind(links: bool,
+                                                                    agents: int) -> None:
+    launcher = SimLauncher(hosts=HOSTS, links=links, agents=agents, per_agent=N // 8)
     mesh = Mesh.start(n=N, backend="cpu", respawn="off", launcher=launcher, spare=False,
                       hang_timeout=None)
     try:
-        # main channels: every rank's link (as real local ranks), or DEALERs
+        # main channels: every rank's link (as real local ranks), DEALERs, or agents
         assert mesh._ctl.io.links == (N if links else 0)
+        relayed = mesh._ctl.io.relayed
+        fanouts = relayed["fan-outs"]
         pids = launcher.host_pids()
         assert len(pids) == HOSTS  # N ranks in a few processes, not N processes
         status = mesh.status()
@@ -49,6 +53,12 @@ def test_simulated_ranks_answer_every_call_and_leave_nothing_behind(links: bool)
         # EXEC answers the rank number: each rank answered as itself
         assert dict(mesh.exec("rank")) == {r: r for r in range(N)}
         assert dict(mesh[3:7].exec("rank")) == {r: r for r in range(3, 7)}
+        if agents:  # one message per simulated host for a call to all ranks
+            assert relayed["fan-outs"] - fanouts >= 6 * agents
+            before = relayed["fan-outs"]
+            mesh.run(_noop)
+            # (a ping may fall in between: it is one message per host too)
+            assert relayed["fan-outs"] - before in (agents, 2 * agents), relayed
         assert mesh.dropped == {}  # every message signed and verified, none refused
     finally:
         mesh.stop()
