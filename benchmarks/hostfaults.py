@@ -277,6 +277,10 @@ def main() -> int:
         return 2
     from tests.engines import netns_hosts
 
+    # a SIGTERM (timeout, pkill) unwinds like an error: every finally runs,
+    # so the trial's mesh stops and its namespaces are removed
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
     repeat = 1 if ns.quick else ns.repeat
     figs = [f for f in ns.only.split(",") if f]
     results: dict[str, list[dict[str, Any]]] = {f: [] for f in figs}

@@ -75,35 +75,44 @@ def _monarch_pids_in(ns: str) -> list[int]:
     return out
 
 
+@pytest.mark.parametrize("cut", [1, 0], ids=["rank1-host", "master-host"])
 def test_a_partitioned_host_is_lost_and_its_rank_moves_to_the_spare(
-        sshd: Sshd, monkeypatch: pytest.MonkeyPatch) -> None:
+        sshd: Sshd, monkeypatch: pytest.MonkeyPatch, cut: int) -> None:
+    """Host ``cut`` (rank 1's, or rank 0's: the master's, MASTER_ADDR left
+    to its default) drops off the network: its rank comes back on the spare
+    host with its number, the group re-forms (on the spare's address when
+    the master moved) and answers a collective; the cut-off agent and rank
+    exit on their own."""
     import subprocess
 
     hosts = sshd.hosts
     monkeypatch.setenv("MONARCH_NB_SSH", sshd.template)
     mesh = Mesh.start(n=2, backend="cpu", launcher="ssh", hosts=",".join(hosts.addrs[:2]),
                       spare_hosts=hosts.addrs[2], bind=hosts.bridge_addr, start_timeout=90,
-                      master_addr=hosts.addrs[0], host_timeout=3, controller_timeout=5)
-    cut = False
+                      host_timeout=3, controller_timeout=5)
+    down = False
     try:
-        where = lambda: os.environ.get("SSH_CONNECTION", "").split()[2]  # noqa: E731
-        assert mesh.run(where) == {0: hosts.addrs[0], 1: hosts.addrs[1]}
-        assert _monarch_pids_in(hosts.names[1]), "host B runs its agent and rank"
-        # host B drops off the network: nothing is closed, nothing is said
-        subprocess.run(["ip", "link", "set", hosts.links[1], "down"], check=True)
-        cut = True
-        wait_for(lambda: mesh.status()[1]["state"] == "ready"
-                 and mesh.status()[1]["incarnation"] >= 1, timeout=90,
-                 what="rank 1 back on the spare host")
-        assert mesh.run(where, timeout=60) == {0: hosts.addrs[0], 1: hosts.addrs[2]}
+        where = lambda: (os.environ.get("SSH_CONNECTION", "").split()[2],  # noqa: E731
+                         os.environ["MASTER_ADDR"])
+        assert mesh.run(where) == {r: (hosts.addrs[r], hosts.addrs[0]) for r in (0, 1)}
+        assert _monarch_pids_in(hosts.names[cut]), "the host runs its agent and rank"
+        # the host drops off the network: nothing is closed, nothing is said
+        subprocess.run(["ip", "link", "set", hosts.links[cut], "down"], check=True)
+        down = True
+        wait_for(lambda: mesh.status()[cut]["state"] == "ready"
+                 and mesh.status()[cut]["incarnation"] >= 1, timeout=90,
+                 what=f"rank {cut} back on the spare host")
+        now_at = [hosts.addrs[2] if r == cut else hosts.addrs[r] for r in (0, 1)]
+        master = now_at[0]  # rank 0's host: the spare's address if that host was cut
+        assert mesh.run(where, timeout=60) == {r: (now_at[r], master) for r in (0, 1)}
         assert mesh.exec("import torch, torch.distributed as dist\nx = torch.ones(1)\n"
                          "dist.all_reduce(x)\nx.item()", timeout=60) == {0: 2.0, 1: 2.0}
-        died = [e["detail"] for e in mesh.events if e["rank"] == 1 and e["kind"] == "died"]
-        assert any(f"host {hosts.addrs[1]} lost" in d for d in died), died
+        died = [e["detail"] for e in mesh.events if e["rank"] == cut and e["kind"] == "died"]
+        assert any(f"host {hosts.addrs[cut]} lost" in d for d in died), died
         # on the cut-off host, the agent and its rank hear no controller: they exit
-        wait_for(lambda: not _monarch_pids_in(hosts.names[1]), timeout=30,
+        wait_for(lambda: not _monarch_pids_in(hosts.names[cut]), timeout=30,
                  what="the partitioned host's agent and rank to exit on their own")
     finally:
-        if cut:
-            subprocess.run(["ip", "link", "set", hosts.links[1], "up"], check=False)
+        if down:
+            subprocess.run(["ip", "link", "set", hosts.links[cut], "up"], check=False)
         mesh.stop()

@@ -384,6 +384,8 @@ class Controller:
         waiting for the group timeout); note one that is only busy holding
         the GIL (liveness.py)."""
         silent = now - info.last_heartbeat
+        if silent > self.liveness.look_after and self.supervisor.host_silent(info.rank):
+            return  # its whole host is silent: the host timeout decides (agents.py)
         state = None
         if self.liveness.wants_state(info.rank, silent):
             # a local rank's /proc, a remote one's as its host agent last saw it

@@ -145,16 +145,16 @@ class Membership:
     def join(self, msg: Message) -> int:
         meta = meta_of(msg, Kind.REFORM)
         generation, port = int(meta["generation"]), int(meta["port"])
+        addr = str(meta.get("addr") or self.env.master_addr)
         # "out of the old collective, joining": the controller stops waiting
         # for this survivor before the (slower) join completes
         self.send(Kind.REFORMED, meta={"generation": generation, "joining": True})
         error = ""
         try:
             leave_group()
-            os.environ["MASTER_PORT"] = str(port)
+            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
             os.environ["MONARCH_NB_GENERATION"] = str(generation)
-            init_group(self.env.backend, self.env.rank, self.env.world_size,
-                       self.env.master_addr, port,
+            init_group(self.env.backend, self.env.rank, self.env.world_size, addr, port,
                        abort=lambda: self.newer_reform(generation))
             _context._set(generation=generation)
         except JoinAborted:

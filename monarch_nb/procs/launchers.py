@@ -159,6 +159,9 @@ class _RemoteLauncher:
     python: str = field(default_factory=lambda: sys.executable)
     cwd: str = field(default_factory=os.getcwd)
     remote: bool = True
+    # the node MASTER_ADDR is the address of, when it was not given: the
+    # first node's, which moves with it when a spare host takes its place
+    master_node: str = ""
 
     def placement(self, rank: int, world_size: int) -> Placement:
         node = rank // self.per_node
@@ -166,7 +169,13 @@ class _RemoteLauncher:
                          min(self.per_node, world_size - node * self.per_node))
 
     def master_addr(self, world_size: int) -> str:
+        if self.master_node and self.nodes[0] != self.master_node:  # rank 0's host was replaced
+            self.master_node = self.nodes[0]
+            self.master = self.address_of(self.master_node)
         return self.master
+
+    def address_of(self, node: str) -> str:
+        return resolve_address(node.rsplit("@", 1)[-1])  # user@host
 
     def worker_argv(self) -> list[str]:
         return [self.python, "-m", "monarch_nb.cli", "worker", "--key-file", "-"]
@@ -224,6 +233,9 @@ class SlurmLauncher(_RemoteLauncher):
     replacement start while the old step is still being cleaned up."""
 
     name: str = "slurm"
+
+    def address_of(self, node: str) -> str:
+        return slurm_node_address(node)
 
     def command(self, placement: Placement) -> list[str]:
         return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={placement.host}", "--overlap",
@@ -333,8 +345,11 @@ def from_config(cfg: config.MeshConfig, n: int | None) -> tuple[Launcher, int]:
         if nodes > len(hosts):
             raise UsageError(f"--nodes {nodes} but only {len(hosts)} host(s) in --hosts")
         world, per_node = world_and_per_node(n, nodes, cfg.gpus_per_node)
-        master = cfg.master_addr or resolve_address(hosts[0].rsplit("@", 1)[-1])  # user@host
-        return SshLauncher(hosts[:nodes], per_node, master), world
+        launcher = SshLauncher(hosts[:nodes], per_node, cfg.master_addr or "",
+                               master_node="" if cfg.master_addr else hosts[0])
+        if not cfg.master_addr:
+            launcher.master = launcher.address_of(hosts[0])
+        return launcher, world
     all_nodes = slurm_nodes()
     env_nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", len(all_nodes)))
     nodes = cfg.nodes or min(env_nodes, len(all_nodes))
@@ -346,7 +361,8 @@ def from_config(cfg: config.MeshConfig, n: int | None) -> tuple[Launcher, int]:
         wanted = int(tasks)
     world, per = world_and_per_node(n, nodes, wanted)
     master = cfg.master_addr or slurm_node_address(all_nodes[0])
-    return SlurmLauncher(all_nodes[:nodes], per, master), world
+    return SlurmLauncher(all_nodes[:nodes], per, master,
+                         master_node="" if cfg.master_addr else all_nodes[0]), world
 
 
 def remote_backend(requested: str, launcher: Launcher) -> BackendInfo:

@@ -34,6 +34,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -335,6 +336,16 @@ class Supervisor:
             os.kill(proc.pid, sig)
         except ProcessLookupError:
             pass
+
+    def host_silent(self, rank: int, after: float = 1.0) -> bool:
+        """``rank`` runs on another host whose agent has said nothing for
+        ``after`` s (it ticks every 0.2 s): a silence of the rank then is
+        its host's, for the host timeout to judge (agents.py), not a frozen
+        rank to kill through an agent that cannot hear us."""
+        proc = self.procs.get(rank)
+        if proc is None or not isinstance(proc.popen, RemoteRank):
+            return False
+        return time.monotonic() - proc.popen.agent.heard > after
 
     def process_state(self, rank: int, fresh: float = 1.0) -> str | None:
         """``rank``'s process state letter (liveness.py): read here for a

@@ -86,6 +86,7 @@ class StacksReplyMeta(TypedDict, total=False):
 class ReformMeta(TypedDict, total=False):
     generation: int
     port: int
+    addr: str  # MASTER_ADDR of the new group (it moves when rank 0's host was replaced)
 
 
 class ReformedMeta(TypedDict, total=False):

@@ -360,7 +360,10 @@ class Recovery:
         self.ranks.reformed(action.generation)
         port = free_port()
         self.supervisor.reform(action.generation, port)
-        frames = self.codec.sign(Kind.REFORM, meta={"generation": action.generation, "port": port})
+        # the store's address too: it moves with rank 0 when a spare host took its host's place
+        addr = self.supervisor.launcher.master_addr(self.supervisor.world_size)
+        frames = self.codec.sign(Kind.REFORM, meta={"generation": action.generation,
+                                                    "port": port, "addr": addr})
         self.reform_frames = frames  # sent again to members slow to answer (tick)
         now = time.monotonic()
         self.lost = {r for r in action.ranks if self.ranks[r].state == RankState.RESPAWNING}
