@@ -226,6 +226,9 @@ class _Supervisor:
     def tail(self, rank: int, lines: int = 10) -> list[str]:
         return []
 
+    def master_addr(self) -> str:
+        return "127.0.0.1"
+
     def lost_host(self, rank: int) -> str:
         return ""  # one host here: never lost
 

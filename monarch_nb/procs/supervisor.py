@@ -337,6 +337,10 @@ class Supervisor:
         except ProcessLookupError:
             pass
 
+    def master_addr(self) -> str:
+        """MASTER_ADDR of the group now (rank 0's host's when a spare took its place)."""
+        return self.launcher.master_addr(self.world_size)
+
     def host_silent(self, rank: int, after: float = 1.0) -> bool:
         """``rank`` runs on another host whose agent has said nothing for
         ``after`` s (it ticks every 0.2 s): a silence of the rank then is

@@ -361,7 +361,7 @@ class Recovery:
         port = free_port()
         self.supervisor.reform(action.generation, port)
         # the store's address too: it moves with rank 0 when a spare host took its host's place
-        addr = self.supervisor.launcher.master_addr(self.supervisor.world_size)
+        addr = self.supervisor.master_addr()
         frames = self.codec.sign(Kind.REFORM, meta={"generation": action.generation,
                                                     "port": port, "addr": addr})
         self.reform_frames = frames  # sent again to members slow to answer (tick)
