@@ -206,9 +206,10 @@ class _RemoteLauncher:
 
 @dataclass
 class SshLauncher(_RemoteLauncher):
-    """One ``ssh`` per rank. The remote command template comes from
+    """Hosts reached over ``ssh`` (one session per host, for its agent:
+    agents.py). The remote command template comes from
     ``MONARCH_NB_SSH`` (default ``ssh -T -o BatchMode=yes {host}``); the
-    worker command is appended as one shell string, so any remote shell
+    agent's command is appended as one shell string, so any remote shell
     prefix works (``ip netns exec {host} sh -c`` runs ranks in network
     namespaces: that is how the tests simulate hosts)."""
 
