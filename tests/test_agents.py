@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -130,8 +131,19 @@ def test_one_agent_per_host_and_a_killed_rank_comes_from_its_spare(two_hosts: di
         assert mesh.run(lambda: 7) == dict.fromkeys(range(4), 7)
         # (a ping may fall in between: it is one message per host too)
         assert relayed["fan-outs"] - before["fan-outs"] in (2, 4), relayed
-        assert relayed["messages"] - before["messages"] >= 4, relayed
-        assert relayed["batches"] - before["batches"] <= relayed["messages"] - before["messages"]
+        # (equal results of one host's ranks may come folded: one message for them, fold.py)
+        carried = Counter(relayed)
+        carried.subtract(before)
+        assert carried["messages"] - carried["folds"] + carried["folded"] >= 4, relayed
+        assert carried["batches"] <= carried["messages"], relayed
+        # a host's ranks that answer alike within one turn of its relay come up
+        # as one fold, verified and signed by their agent (wire/fold.py)
+        for _ in range(200):
+            if relayed["folds"]:
+                break
+            assert mesh.run(abs, -3) == dict.fromkeys(range(4), 3)
+        assert relayed["folds"] and relayed["folded"] >= 2 * relayed["folds"], relayed
+        assert not mesh.dropped, mesh.dropped
         # each host keeps a warm spare once its ranks started
         wait_for(lambda: all(_spare_waits(a, set(pids.values())) for a in _agents().values()),
                  timeout=90, what="a spare with torch imported on each host")

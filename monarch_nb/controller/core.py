@@ -35,7 +35,7 @@ import secrets
 import signal as signal_mod
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..backends import BackendInfo
@@ -85,7 +85,8 @@ class Controller:
             log.warning("monarch_nb: INSECURE: encryption is off on non-loopback bind %r; "
                         "anyone on the network can read every message", cfg.bind)
         self.io = IOLoop(self.codec, self._on_message, bind=cfg.bind, on_tick=self._on_tick,
-                         max_message_bytes=cfg.max_message_bytes, curve=self.curve)
+                         max_message_bytes=cfg.max_message_bytes, curve=self.curve,
+                         on_fold=self._on_fold)
         logdirs.sweep()  # log directories left by controllers that were killed
         self.supervisor = Supervisor(
             world_size=world_size, backend=backend, controller_endpoint=self.io.endpoint,
@@ -144,7 +145,7 @@ class Controller:
                                    self.codec, self._pid_of,
                                    default_output=lambda: self.default_output)
         self._on_result = self.assembler.on_result  # bound once: every call's path
-        self.calls.on_rank_done = self._rank_done
+        self.calls.on_ranks_done = self._ranks_done
         self.calls.on_finished = self._call_finished
 
     # -- what the API reads ------------------------------------------------------------
@@ -326,14 +327,26 @@ class Controller:
         elif kind == Kind.FAILED_START:
             info.start_error = str(meta_of(msg, Kind.FAILED_START).get("error", ""))
 
+    def _on_fold(self, idents: list[bytes], msg: Message) -> None:
+        """The same plain result of several ranks of one host (wire/fold.py;
+        the transport checked they are its agent's)."""
+        lookup = self.ranks.lookup
+        infos = [info for info in map(lookup, idents) if info is not None]
+        now = time.monotonic()
+        for info in infos:
+            info.last_heartbeat = now
+        self.assembler.on_folded(infos, msg)
+
     # -- the call table's hooks ------------------------------------------------------
-    def _rank_done(self, call: PendingCall, rank: int) -> None:
+    def _ranks_done(self, call: PendingCall, ranks: Sequence[int]) -> None:
         inspector = self.inspector
         if inspector.prompts or inspector.debug_focus:
-            inspector.release_focus(call.call_id, rank)
-        if self.ranks[rank].state == RankState.BUSY and (
-                len(self.calls) <= 1 or not self.calls.busy(rank)):
-            self.ranks.move(rank, RankState.READY)
+            for rank in ranks:
+                inspector.release_focus(call.call_id, rank)
+        table, busy, alone = self.ranks, self.calls.busy, len(self.calls) <= 1
+        for rank in ranks:  # idle again unless another call waits for it
+            if table[rank].state is RankState.BUSY and (alone or not busy(rank)):
+                table.move(rank, RankState.READY)
 
     def _call_finished(self, call: PendingCall) -> None:
         self.dataplane.release(call.call_id)  # every rank answered: they mapped it

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from .. import config, flight
+from ..errors import UsageError
 from ..wire import link as links
 from ..wire.hostrelay import Relay
 from . import agentwire, spares
@@ -174,7 +175,7 @@ class Agent:
                 return
             if msg["relay"] and self.relay is None:  # the controller routes through us from now
                 self.relay = Relay(msg["relay"], env[config.ENV_CONTROLLER],
-                                   config.curve_keys(env), _max_bytes(env))
+                                   config.curve_keys(env), _max_bytes(env), _key(env))
             self.spawn(msg["sid"], msg["rank"], msg["inc"], env, bool(msg["spare"]))
         elif op == "signal":
             child = next((c for c in self.children.values() if c.sid == msg["sid"]), None)
@@ -336,6 +337,15 @@ class Agent:
         if self.relay is not None:
             self.relay.close()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _key(env: dict[str, str]) -> bytes | None:
+    """The mesh key the ranks get (the relay folds their equal results with
+    it: wire/fold.py); None: no folding, every result goes up as it came."""
+    try:
+        return config.read_key(env)
+    except (UsageError, OSError, ValueError):
+        return None
 
 
 def _max_bytes(env: dict[str, str]) -> int:

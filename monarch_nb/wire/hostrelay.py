@@ -4,9 +4,11 @@ two links (wire/link.py) to each of the host's ranks.
 Both of a remote rank's channels are socket pairs with its agent: main
 (calls, cells, results, what goes ahead of them), as a local rank's is
 with the controller, and control (heartbeats, output, metrics, interrupts,
-stacks), so the host has no other connection to the controller. The relay thread moves messages between those links and its
-one DEALER: a fan-out from the controller (wire/relay.py) is sent to each
-rank it names, and what the ranks sent within one turn goes up as one batch.
+stacks), so the host has no other connection to the controller. The relay
+thread moves messages between those links and its one DEALER: a fan-out
+from the controller (wire/relay.py) is sent to each rank it names, and what
+the ranks sent within one turn goes up as one batch, in which the same
+plain result of several ranks is one message (fold.py).
 So a call to a host's 8 ranks is one message each way on the network, and
 the controller's work per call grows with hosts, not ranks.
 
@@ -33,6 +35,7 @@ import zmq
 
 from ..errors import ProtocolError
 from .channels import recv_frames
+from .fold import Folder
 from .link import DROPPED, Link
 from .relay import MAX_ENTRIES, pack_batch, unpack_fanout
 from .transport import socket_send
@@ -48,8 +51,10 @@ class Relay:
     """The agent's end of the relay (a thread of its own)."""
 
     def __init__(self, ident: str, endpoint: str, curve: tuple[bytes, bytes, bytes] | None,
-                 max_bytes: int) -> None:
+                 max_bytes: int, key: bytes | None = None) -> None:
         self.max_bytes = max_bytes
+        # the mesh key (the ranks get it from us anyway): fold their equal results (fold.py)
+        self.folder = None if key is None else Folder(key, ident)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         if curve is not None:
@@ -176,7 +181,10 @@ class Relay:
         link.close()
 
     def _up(self, up: list[tuple[bytes, list[Any]]]) -> None:
-        """What the ranks sent this turn, as few batches as the bounds allow."""
+        """What the ranks sent this turn, as few batches as the bounds allow
+        (equal plain results folded into one message first: fold.py)."""
+        if self.folder is not None and len(up) > 1:
+            up = self.folder.fold(up)  # type: ignore[assignment]
         start = 0
         size = 0
         for i, (_, frames) in enumerate(up):

@@ -97,6 +97,11 @@ class Kind(str, enum.Enum):
     # (last, so the kinds above keep their codes: a remote rank of the same
     # protocol version never gets this one, as it never gets shared memory)
     RELEASE = "release"  # controller -> rank: its result's segment is mapped (meta: tok)
+    # agent -> controller: the same plain RESULT (no meta, same payload) of
+    # call c from several ranks of its host, verified and signed by their
+    # agent (wire/fold.py; payload: the ranks' main ids, one per line, then
+    # the value's frame if any)
+    FOLD = "fold"
 
 
 # What each kind's meta may hold, and of what JSON type: the one place the

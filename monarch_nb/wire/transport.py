@@ -48,13 +48,19 @@ from zmq.utils import z85
 
 from ..errors import ProtocolError, UsageError, no_free_port
 from .endpoints import ZAP_ENDPOINT, CurveKeys, bind_host
+from .fold import unpack_members
 from .link import DROPPED, Link
-from .protocol import Codec, Message
+from .protocol import Codec, Kind, Message
 from .relay import pack_fanout, unpack_batch
 
 log = logging.getLogger(__name__)
 
 MessageHandler = Callable[[bytes, Message], None]
+# a set of ranks' fan-outs: (agent, fan-out header) each, and the ranks behind none
+_Plan = tuple[list[tuple[bytes, bytes]], list[bytes]]
+_MAX_PLANS = 64
+# a host agent's fold (fold.py): the ranks' main ids, the verified FOLD
+FoldHandler = Callable[[list[bytes], Message], None]
 
 # After a blocking caller hands the sockets back, the I/O thread waits this
 # long before taking them: a loop of calls then never pays for waking it, and
@@ -75,9 +81,11 @@ class IOLoop:
         on_tick: Callable[[float], float | None] | None = None,
         max_message_bytes: int = 4 << 30,
         curve: CurveKeys | None = None,
+        on_fold: FoldHandler | None = None,
     ) -> None:
         self.codec = codec
         self._on_message = on_message
+        self._on_fold = on_fold
         self._on_tick = on_tick
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -127,7 +135,12 @@ class IOLoop:
         # stores), read by the leader.
         self._relays: dict[bytes, bytes] = {}
         self._agents: dict[bytes, int] = {}  # agent id -> ranks routed through it
-        # messages sent to agents ("fan-outs"), batches from them, rank messages in those
+        # the fan-outs of a set of ranks (a call's), kept while the routes
+        # hold: a mesh calls the same ranks again and again (replaced whole
+        # by attach/detach, never changed in place)
+        self._plans: dict[tuple[bytes, ...], _Plan] = {}
+        # messages sent to agents ("fan-outs"), batches from them, messages in
+        # those, the folds among them (fold.py) and the results they carried
         self.relayed: collections.Counter[str] = collections.Counter()
         self.max_message_bytes = max_message_bytes
         # Pidfds and links (one each per rank) wait in one epoll set, which
@@ -209,6 +222,7 @@ class IOLoop:
         if old == agent:
             return
         self._relays[ident] = agent
+        self._plans = {}
         self._agents[agent] = self._agents.get(agent, 0) + 1
         if old is not None:
             self._agents[old] -= 1
@@ -217,6 +231,7 @@ class IOLoop:
         """``ident``'s process is gone: its agent may no longer speak for it."""
         agent = self._relays.pop(ident, None)
         if agent is not None:
+            self._plans = {}
             self._agents[agent] -= 1
 
     @property
@@ -335,6 +350,32 @@ class IOLoop:
     def _send_relayed(self, idents: Sequence[bytes], frames: Sequence[Any]) -> Sequence[bytes]:
         """Send to the ranks of ``idents`` behind host agents, one message
         per agent (relay.py); the others are left to the caller."""
+        plans, key = self._plans, tuple(idents)
+        plan = plans.get(key)
+        if plan is None:
+            plan = self._plan(key)
+            if len(plans) >= _MAX_PLANS:
+                plans.clear()
+            plans[key] = plan
+        fanouts, rest = plan
+        if fanouts:
+            small = [isinstance(f, bytes) or memoryview(f).nbytes < _COPY_BELOW for f in frames]
+            last = len(frames) - 1
+            router = self.router
+            self.relayed["fan-outs"] += len(fanouts)
+            for agent, header in fanouts:
+                try:
+                    socket_send(router, agent, _SNDMORE)
+                    socket_send(router, header, _SNDMORE)
+                    for i, frame in enumerate(frames):
+                        socket_send(router, frame, _SNDMORE if i < last else 0, small[i])
+                except zmq.ZMQError as exc:  # the agent is gone: its host is lost (agents.py)
+                    log.debug("send to agent %r failed: %s", agent, exc)
+        return rest
+
+    def _plan(self, idents: tuple[bytes, ...]) -> _Plan:
+        """Each agent's fan-out header for ``idents``, and the ranks of them
+        that are not behind one."""
         relays = self._relays
         by_agent: dict[bytes, list[bytes]] = {}
         rest = []
@@ -344,20 +385,7 @@ class IOLoop:
                 rest.append(ident)
             else:
                 by_agent.setdefault(agent, []).append(ident)
-        if by_agent:
-            small = [isinstance(f, bytes) or memoryview(f).nbytes < _COPY_BELOW for f in frames]
-            last = len(frames) - 1
-            router = self.router
-            for agent, members in by_agent.items():
-                self.relayed["fan-outs"] += 1
-                try:
-                    socket_send(router, agent, _SNDMORE)
-                    socket_send(router, pack_fanout(members), _SNDMORE)
-                    for i, frame in enumerate(frames):
-                        socket_send(router, frame, _SNDMORE if i < last else 0, small[i])
-                except zmq.ZMQError as exc:  # the agent is gone: its host is lost (agents.py)
-                    log.debug("send to agent %r failed: %s", agent, exc)
-        return rest
+        return [(agent, pack_fanout(members)) for agent, members in by_agent.items()], rest
 
     def _deliver_batch(self, agent: bytes, frames: list[Any]) -> None:
         """A host agent's batch: each message in it verified as sent by its
@@ -372,11 +400,38 @@ class IOLoop:
         relays, at = self._relays, 1
         for ident, n in entries:
             part, at = frames[at:at + n], at + n
+            if ident == agent:  # the agent's own: a fold of its ranks' results
+                self._deliver_fold(agent, part)
+                continue
             if relays.get(ident) != agent:
                 self._drop(agent, ProtocolError("relay-foreign",
                                                 f"{ident[:64]!r} is not a rank of this agent"))
                 continue
             self._deliver(ident, self._ident_str(ident), part)
+
+    def _deliver_fold(self, agent: bytes, frames: list[Any]) -> None:
+        """An agent's FOLD (fold.py): verified as the agent's, taken only
+        if every rank it names is one of this agent's."""
+        try:
+            msg = self.codec.verify(frames, expected_sender=self._ident_str(agent))
+            if msg.kind is not Kind.FOLD or self._on_fold is None or not msg.payload:
+                raise ProtocolError("relay-kind", f"an agent may send folds, not {msg.kind.value}")
+            members = unpack_members(msg.payload[0])
+            relays = self._relays
+            for ident in members:
+                if relays.get(ident) != agent:
+                    raise ProtocolError("relay-foreign",
+                                        f"{ident[:64]!r} is not a rank of this agent")
+            msg.payload = msg.payload[1:]  # the value's frames, as a RESULT's
+        except Exception as exc:
+            self._drop(agent, exc)
+            return
+        self.relayed["folds"] += 1
+        self.relayed["folded"] += len(members)
+        try:
+            self._on_fold(members, msg)
+        except Exception:
+            log.exception("monarch_nb I/O thread fold handler failed")
 
     def run_once(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
         """One turn of the loop: wait up to ``timeout`` s for anything, then

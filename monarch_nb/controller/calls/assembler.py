@@ -139,6 +139,31 @@ class Assembler:
             return
         self._complete_rank(call, info, msg)
 
+    def on_folded(self, infos: list[RankInfo], msg: Message) -> None:
+        """The same plain result (no meta, one payload) from each of
+        ``infos`` (a host agent's FOLD: wire/fold.py), unpickled once."""
+        call = self.calls.get(msg.call)
+        if call is None or self._gpu_ipc:  # (shares are per rank: each as its own result)
+            for info in infos:
+                self.on_result(info, msg)
+            return
+        ranks = [info.rank for info in infos if info.rank in call.remaining]
+        if not ranks:
+            return
+        try:
+            value = self._loads(infos[0], msg.payload)
+        except serialize.SerializationError as exc:
+            for rank in ranks:
+                self.calls.complete(call, rank, error=_unloadable(rank, exc))
+            return
+        if type(value) in _SHARED:
+            self.calls.complete_many(call, ranks, value)
+            return
+        # a mutable value: each rank its own object, as if each had sent it
+        self.calls.complete(call, ranks[0], value)
+        for rank in ranks[1:]:
+            self.calls.complete(call, rank, serialize.loads(msg.payload))
+
     def _join(self, info: RankInfo, msg: Message, call: PendingCall | None) -> bool:
         """Put a result's big frames back together from their pieces
         (wire/chunks.py). False: the layout did not fit (the call gets the
@@ -218,6 +243,10 @@ class Assembler:
             self._loads(info, payload)
         except serialize.SerializationError as exc:
             log.warning("monarch_nb: rank %d's late result could not be opened: %s", info.rank, exc)
+
+
+# values that may be one object for several ranks (a folded result): nothing can change them
+_SHARED = frozenset({type(None), bool, int, float, complex, str, bytes})
 
 
 def announced(result: Message) -> int:

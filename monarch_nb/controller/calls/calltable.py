@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,9 +103,9 @@ class CallTable:
         self._ids = itertools.count(1)
         self.waiting: list[PendingCall] = []  # issued, not sent yet (in issue order)
         self.setup_cells: list[dict[str, Any]] = []  # replayed on every new process
-        # hooks, set by the controller: a rank is done with a call (its
-        # debugger session is over, it may be idle now); a call finished
-        self.on_rank_done: Callable[[PendingCall, int], None] = lambda call, rank: None
+        # hooks, set by the controller: ranks are done with a call (their
+        # debugger sessions are over, they may be idle now); a call finished
+        self.on_ranks_done: Callable[[PendingCall, Sequence[int]], None] = lambda call, ranks: None
         self.on_finished: Callable[[PendingCall], None] = lambda call: None
 
     # -- reading ---------------------------------------------------------------
@@ -165,6 +165,20 @@ class CallTable:
             call.errors[rank] = error
         self._rank_done(call, rank)
 
+    def complete_many(self, call: PendingCall, ranks: list[int], value: Any) -> None:
+        """Each of ``ranks`` answered ``call`` with ``value`` (a host's
+        folded result: wire/fold.py); the call finishes at most once."""
+        remaining, results = call.remaining, call.results
+        done = [rank for rank in ranks if rank in remaining]
+        if not done:
+            return
+        for rank in done:
+            results[rank] = value
+            remaining.discard(rank)
+        call.progress_at = time.monotonic()
+        self.on_ranks_done(call, done)
+        self.finish_if_done(call)
+
     def fail(self, rank: int, error: BaseException, *, coming_back: bool) -> None:
         """``rank``'s process is gone (died, killed, replaced): every call
         that still waits for it loses it. An elastic call keeps it, to be
@@ -221,7 +235,7 @@ class CallTable:
     def _rank_done(self, call: PendingCall, rank: int) -> None:
         call.remaining.discard(rank)
         call.progress_at = time.monotonic()
-        self.on_rank_done(call, rank)
+        self.on_ranks_done(call, (rank,))
         self.finish_if_done(call)
 
     def finish_if_done(self, call: PendingCall) -> None:

@@ -1,0 +1,232 @@
+"""Folding a host's equal results into one message (wire/fold.py), and the
+controller taking a fold (transport.IOLoop, controller/calls/assembler.py).
+
+* the agent's side, pure: equal plain results of one call fold into one
+  message naming their ranks, signed by the agent; a result with output or
+  an error, a different value, a second message of the same channel, or a
+  forged one is passed through as it came;
+* for any batch (hypothesis), what the controller reads back from the
+  folded batch is, channel by channel, exactly what the ranks sent, in the
+  order they sent it;
+* the controller's I/O loop over real ZeroMQ sockets: a fold from an agent
+  is delivered with its ranks; a fold naming another agent's rank, one
+  signed with another key, one claiming another agent as its sender, or any
+  other kind sent as the agent's own is dropped and counted;
+* the assembler over a real call table: a fold completes each of its ranks
+  once, a mutable value is one object per rank.
+
+Real agents folding real ranks' results: tests/test_agents.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from monarch_nb.errors import ProtocolError
+from monarch_nb.wire import serialize
+from monarch_nb.wire.fold import MAX_MEMBERS, Folder, pack_members, unpack_members
+from monarch_nb.wire.protocol import Codec, Kind, Message, new_key
+from monarch_nb.wire.relay import pack_batch
+from monarch_nb.wire.transport import IOLoop
+
+from .conftest import wait_for
+from .test_assembler import Story
+
+KEY = new_key()
+AGENT = "agentA"
+RANKS = [f"r{i}.main" for i in range(4)]
+CODECS = {name: Codec(KEY, name) for name in [*RANKS, *(r.replace("main", "ctl") for r in RANKS)]}
+
+
+def result(name: str, call: int, value: Any = None, meta: dict[str, Any] | None = None
+           ) -> tuple[bytes, list[bytes]]:
+    payload = [] if value is None else [bytes(f) for f in serialize.dumps(value)]
+    return name.encode(), [bytes(f) for f in CODECS[name].sign(Kind.RESULT, payload, call=call,
+                                                              meta=meta)]
+
+
+def unfold(entries: list[tuple[bytes, Any]], controller: Codec) -> list[tuple[str, str, int, bytes]]:
+    """What the controller reads from a batch: (sender, kind, call, payload) per rank message."""
+    out = []
+    for ident, frames in entries:
+        if ident == AGENT.encode():
+            msg = controller.verify(frames, expected_sender=AGENT)
+            assert msg.kind is Kind.FOLD
+            value = b"".join(bytes(p) for p in msg.payload[1:])
+            out += [(m.decode(), "result", msg.call, value) for m in unpack_members(msg.payload[0])]
+        else:
+            msg = controller.verify(frames, expected_sender=ident.decode())
+            out.append((msg.sender, msg.kind.value, msg.call,
+                        b"".join(bytes(p) for p in msg.payload)))
+    return out
+
+
+# -- the agent's side ----------------------------------------------------------------------
+def test_equal_plain_results_fold_into_one_message_in_the_first_ones_place() -> None:
+    folder = Folder(KEY, AGENT)
+    beat = (b"r2.ctl", CODECS["r2.ctl"].sign(Kind.HEARTBEAT, meta={"busy": 0}))
+    batch = [beat, result("r0.main", 5, 7), result("r1.main", 5), result("r2.main", 5, 7),
+             result("r3.main", 5, 7)]
+    out = folder.fold(batch)
+    assert len(out) == 3 and out[0] == beat and out[2] == batch[2], out  # None: its own
+    ident, frames = out[1]
+    msg = Codec(KEY, "controller").verify(frames, expected_sender=AGENT)
+    assert ident == AGENT.encode() and msg.kind is Kind.FOLD and msg.call == 5
+    assert unpack_members(msg.payload[0]) == [b"r0.main", b"r2.main", b"r3.main"]
+    assert serialize.loads(msg.payload[1:]) == 7
+    assert folder.folded == 3
+
+
+def test_what_is_not_a_plain_equal_result_passes_through_as_it_came() -> None:
+    folder = Folder(KEY, AGENT)
+    forged = (b"r3.main", [bytes(f) for f in Codec(new_key(), "r3.main").sign(
+        Kind.RESULT, [], call=5)])
+    batch = [
+        result("r0.main", 5, meta={"n_out": 1}),  # output went before it
+        result("r1.main", 5, meta={"ok": False, "error": {"type": "E", "msg": "", "tb": ""}}),
+        result("r2.main", 6),  # another call
+        forged,  # not the mesh's key: the controller drops and counts it
+        result("r2.main", 5),  # r2's second message in the batch: its first is above
+        (b"r0.main", CODECS["r1.main"].sign(Kind.RESULT, [], call=5)),  # r1's, said r0's
+        result("r1.main", 7, b"x" * 40_000),  # too big to travel inline
+        result("r3.main", 7, b"x" * 40_000),
+    ]
+    assert folder.fold(batch) == batch
+    assert folder.folded == 0
+
+
+def test_a_fold_of_many_ranks_is_cut_at_the_bound() -> None:
+    names = [f"r{i}.main" for i in range(MAX_MEMBERS + 3)]
+    codecs = {n: Codec(KEY, n) for n in names}
+    batch = [(n.encode(), codecs[n].sign(Kind.RESULT, [], call=1)) for n in names]
+    out = Folder(KEY, AGENT).fold(batch)
+    assert [len(unpack_members(Codec(KEY, "c").verify(f).payload[0])) for _, f in out] == [
+        MAX_MEMBERS, 3]
+
+
+def test_members_refuse_what_does_not_name_distinct_ranks() -> None:
+    assert unpack_members(pack_members([b"a", b"b"])) == [b"a", b"b"]
+    for frame in (b"", b"a\n\nb", b"a\na", b"\n".join([b"x%d" % i for i in range(MAX_MEMBERS + 1)])):
+        with pytest.raises(ProtocolError):
+            unpack_members(frame)
+
+
+message = st.tuples(
+    st.sampled_from([*RANKS, *(r.replace("main", "ctl") for r in RANKS)]),
+    st.sampled_from(["plain", "plain", "plain", "meta", "beat"]),
+    st.integers(1, 3),  # the call
+    st.sampled_from([None, 0, 1, "x"]),  # the value
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(message, max_size=24))
+def test_a_folded_batch_reads_back_as_each_channel_sent_it(plan: list[tuple[str, str, int, Any]]
+                                                           ) -> None:
+    codecs = {name: Codec(KEY, name) for name in CODECS}  # fresh replay windows each example
+    batch = []
+    for name, what, call, value in plan:
+        payload = [] if value is None else [bytes(f) for f in serialize.dumps(value)]
+        if what == "beat":
+            frames = codecs[name].sign(Kind.HEARTBEAT, meta={"busy": call})
+        else:
+            frames = codecs[name].sign(Kind.RESULT, payload, call=call,
+                                       meta={"n_out": 0} if what == "meta" else None)
+        batch.append((name.encode(), [bytes(f) for f in frames]))
+    controller = Codec(KEY, "controller")
+    expected = unfold(batch, controller)
+    controller = Codec(KEY, "controller")  # (its replay windows saw them once already)
+    got = unfold(Folder(KEY, AGENT).fold(batch), controller)
+
+    def by_channel(rows: list[tuple[str, str, int, bytes]]) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {}
+        for sender, *rest in rows:
+            out.setdefault(sender, []).append(rest)
+        return out
+
+    assert by_channel(got) == by_channel(expected)
+
+
+# -- the controller's side, real sockets ----------------------------------------------------
+class Loop:
+    """An IOLoop with r0, r1 routed through agent A and r2 through B; the
+    folds and messages that reached it."""
+
+    def __init__(self) -> None:
+        self.codec = Codec(KEY, "controller")
+        self.got: list[tuple[bytes, Message]] = []
+        self.folds: list[tuple[list[bytes], Message]] = []
+        self.io = IOLoop(self.codec, lambda ident, msg: self.got.append((ident, msg)),
+                         on_fold=lambda members, msg: self.folds.append((members, msg)))
+        self.io.start()
+        for rank, agent in ((b"r0.main", b"agentA"), (b"r1.main", b"agentA"),
+                            (b"r2.main", b"agentB")):
+            self.io.attach_relay(rank, agent)
+        self.ctx = zmq.Context()
+        self.agent = self.ctx.socket(zmq.DEALER)
+        self.agent.setsockopt(zmq.IDENTITY, b"agentA")
+        self.agent.connect(self.io.endpoint)
+
+    def close(self) -> None:
+        self.agent.close(linger=0)
+        self.ctx.term()
+        self.io.stop()
+
+    def batch(self, parts: list[tuple[bytes, list[Any]]]) -> None:
+        head = pack_batch([(i, len(f)) for i, f in parts])
+        self.agent.send_multipart([head, *[bytes(x) for _, f in parts for x in f]])
+
+
+@pytest.fixture
+def loop() -> Iterator[Loop]:
+    lp = Loop()
+    try:
+        yield lp
+    finally:
+        lp.close()
+
+
+def fold_of(members: list[bytes], signer: Codec, kind: Kind = Kind.FOLD) -> tuple[bytes, list[Any]]:
+    return b"agentA", signer.sign(kind, [pack_members(members), b"value"], call=9)
+
+
+def test_a_fold_is_delivered_with_its_ranks_and_a_bad_one_is_dropped(loop: Loop) -> None:
+    agent = Codec(KEY, "agentA")
+    loop.batch([
+        fold_of([b"r0.main", b"r2.main"], agent),  # r2 is agent B's
+        fold_of([b"r0.main", b"r1.main"], Codec(new_key(), "agentA")),  # another key
+        fold_of([b"r0.main", b"r1.main"], Codec(KEY, "agentB")),  # B's fold, sent by A
+        fold_of([b"r0.main", b"r1.main"], agent, Kind.READY),  # not a fold
+        fold_of([b"r0.main", b"r1.main"], agent),  # the good one
+    ])
+    wait_for(lambda: loop.folds, what="the good fold")
+    wait_for(lambda: sum(loop.io.dropped.values()) == 4, what="four dropped")
+    [(members, msg)] = loop.folds
+    assert members == [b"r0.main", b"r1.main"] and msg.call == 9
+    assert [bytes(p) for p in msg.payload] == [b"value"]
+    assert loop.io.dropped == {"relay-foreign": 1, "bad-signature": 1, "sender-mismatch": 1,
+                               "relay-kind": 1}, loop.io.dropped
+    assert loop.io.relayed["folds"] == 1 and loop.io.relayed["folded"] == 2
+    assert not loop.got
+
+
+# -- the assembler ----------------------------------------------------------------------------
+def test_a_fold_completes_each_rank_once_with_its_own_mutable_value() -> None:
+    s = Story()
+    call = s.call()
+    done = threading.Event()
+    call.future.add_done_callback(lambda f: done.set())
+    fold = Message(Kind.FOLD, "agentA", 1, call.call_id, payload=list(serialize.dumps([1, 2])))
+    s.asm.on_folded([s.ranks[0], s.ranks[1]], fold)
+    assert done.is_set()
+    results = call.future.result()
+    assert results[0] == results[1] == [1, 2] and results[0] is not results[1]
+    s.asm.on_folded([s.ranks[0]], fold)  # late or repeated: the call is over
+    assert s.log == [f"end {call.call_id}"]
