@@ -123,18 +123,19 @@ def _hosts_cpu(launcher: SimLauncher) -> float:
     return total
 
 
-def start_sim(n: int, hosts: int, links: bool = True,
-              agents: int = 0, per_agent: int = 8) -> tuple[Mesh, SimLauncher, float]:
-    launcher = SimLauncher(hosts=min(hosts, n), links=links, agents=agents, per_agent=per_agent)
+def start_sim(n: int, hosts: int, links: bool = True, agents: int = 0, per_agent: int = 8,
+              agent_model: str = "host") -> tuple[Mesh, SimLauncher, float]:
+    launcher = SimLauncher(hosts=min(hosts, n), links=links, agents=agents, per_agent=per_agent,
+                           agent_model=agent_model)
     t0 = time.perf_counter()
     mesh = Mesh.start(n=n, backend="cpu", respawn="off", launcher=launcher, spare=False,
                       hang_timeout=None)
     return mesh, launcher, time.perf_counter() - t0
 
 
-def measure_sim(n: int, hosts: int, calls: int, profile: bool,
-                links: bool = True, agents: int = 0, per_agent: int = 8) -> dict[str, Any]:
-    mesh, launcher, start_s = start_sim(n, hosts, links, agents, per_agent)
+def measure_sim(n: int, hosts: int, calls: int, profile: bool, links: bool = True,
+                agents: int = 0, per_agent: int = 8, agent_model: str = "host") -> dict[str, Any]:
+    mesh, launcher, start_s = start_sim(n, hosts, links, agents, per_agent, agent_model)
     try:
         for _ in range(WARMUP):
             mesh.run(NOOP)
@@ -167,7 +168,8 @@ def measure_sim(n: int, hosts: int, calls: int, profile: bool,
             "cpu_us_per_rank_call": cpu / (m * n) * 1e6,
             "cpu_share_during_calls": cpu / wall, "idle_cpu_share": idle,
             "hosts_cpu_us_per_rank_call": hosts_cpu / (m * n) * 1e6,
-            "dropped": mesh.dropped, "agents": agents,
+            "dropped": mesh.dropped, "agents": agents, "agent_model": agent_model,
+            "relayed": dict(mesh._ctl.io.relayed),
         }
         if prof is not None:
             text = io.StringIO()
@@ -243,7 +245,7 @@ def run_agents(args: argparse.Namespace) -> list[dict[str, Any]]:
         log(f"{agents} simulated hosts of {args.per_agent} ranks ({n} ranks) in "
             f"{min(args.hosts, n)} processes...")
         row = measure_sim(n, args.hosts, args.calls, profile=n == args.profile, links=False,
-                          agents=agents, per_agent=args.per_agent)
+                          agents=agents, per_agent=args.per_agent, agent_model=args.agent_model)
         log(f"  through agents: start {row['start_s']:.2f} s, no-op median "
             f"{row['median_ms']:.2f} ms, controller CPU / call "
             f"{row['cpu_us_per_rank_call'] * n:.0f} µs")
@@ -257,10 +259,11 @@ def run_agents(args: argparse.Namespace) -> list[dict[str, Any]]:
                 f"{base['cpu_us_per_rank_call'] * n:.0f} µs")
         rows.append(row)
     print()
+    print(f"simulated hosts answer as: {args.agent_model} (--agent-model; simranks.py)")
     print("| hosts x ranks | ranks | start | no-op median | p99 | zmq floor (1 DEALER / host) "
-          "| controller CPU / call | per host | per rank | without agents: start, median, "
-          "CPU / call |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| controller CPU / call | per host | per rank | sim hosts' CPU / call "
+          "| without agents: start, median, CPU / call |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         n, a = r["ranks"], r["agents"]
         per_call = r["cpu_us_per_rank_call"] * n
@@ -270,7 +273,8 @@ def run_agents(args: argparse.Namespace) -> list[dict[str, Any]]:
             f"{base['cpu_us_per_rank_call'] * n:.0f} µs")
         print(f"| {a} x {args.per_agent} | {n} | {r['start_s']:.2f} s | {r['median_ms']:.2f} ms "
               f"| {r['p99_ms']:.2f} ms | {r['floor_median_ms']:.2f} ms | {per_call:.0f} µs "
-              f"| {per_call / a:.1f} µs | {r['cpu_us_per_rank_call']:.1f} µs | {was} |")
+              f"| {per_call / a:.1f} µs | {r['cpu_us_per_rank_call']:.1f} µs "
+              f"| {r['hosts_cpu_us_per_rank_call'] * n / 1e3:.1f} ms | {was} |")
     at = {r["agents"]: r for r in rows}
     if 128 in at:
         r = at[128]
@@ -398,6 +402,9 @@ def main() -> None:
     ap.add_argument("--agents", default="", type=lambda s: [int(x) for x in s.split(",") if x],
                     help="simulated hosts (agents) per row, e.g. 8,32,128")
     ap.add_argument("--per-agent", type=int, default=8, help="ranks per simulated host")
+    ap.add_argument("--agent-model", choices=("host", "ranks"), default="host",
+                    help="a simulated host's answer to a call: a real host's wall time (one "
+                         "verify, the relay's fold) or every rank's CPU (simranks.py)")
     ap.add_argument("--no-baseline", action="store_true",
                     help="--agents: skip the same ranks without agents")
     ap.add_argument("--json", help="write every figure here")

@@ -36,7 +36,17 @@ the ranks are dealt to ``A`` agents of ``per_agent`` ranks each, several
 agents per host process. Each agent is one DEALER to the controller, as a
 real host agent's relay (monarch_nb/wire/hostrelay.py): a call to its
 ranks arrives once (a fan-out naming them), each rank verifies it with its
-own codec and answers, and the answers of one turn go up as one batch. The
+own codec and answers, and the answers of one turn go up as one batch,
+the same plain result of several ranks folded into one message with the
+real relay's code (monarch_nb/wire/fold.py). How a simulated host answers
+a no-op call to its ranks is ``agent_model``: "host" (default) spends a
+real host's wall time, not its CPU: its ranks would verify the call and
+answer at the same moment on their own cores, so one verify stands for
+them all and the answer is the relay's fold of their equal results;
+"ranks" spends the CPU of every rank (each verifies and signs, the relay
+verifies each answer and folds them), all in this one process, so on a
+small machine the simulated hosts' CPU, not the controller, sets the
+latency. The
 controller routes through the agent as it does for real agents (the
 launcher's ``route``). Both channels go through the agent (heartbeats and
 pings too), so a host is one connection to the controller.
@@ -73,6 +83,7 @@ from monarch_nb.config import RankEnv  # noqa: E402
 from monarch_nb.procs.launchers import Placement, rank_spec  # noqa: E402
 from monarch_nb.wire import serialize  # noqa: E402
 from monarch_nb.wire.channels import dealer, recv_frames  # noqa: E402
+from monarch_nb.wire.fold import Folder  # noqa: E402
 from monarch_nb.wire.link import DROPPED, Link  # noqa: E402
 from monarch_nb.wire.protocol import Codec, Kind  # noqa: E402
 from monarch_nb.wire.relay import pack_batch, unpack_fanout  # noqa: E402
@@ -104,6 +115,10 @@ class SimLauncher:
     # host processes), their ranks' main channels relayed (see the module doc)
     agents: int = 0
     per_agent: int = 8
+    # how a simulated host answers a call (see the module doc): "host" (a
+    # real host's wall time: one verify, the relay's fold) or "ranks" (its
+    # CPU: every rank's verify and answer, the relay folding them)
+    agent_model: str = "host"
     route: Any = None  # set by the controller when ``relays`` (transport.IOLoop.attach_relay)
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     fd_channels: dict[int, socket.socket] = field(default_factory=dict)
@@ -163,7 +178,8 @@ class SimLauncher:
                 socket.send_fds(self.fd_channels[host], [b"f"], list(pass_fds))
             spec = rank_spec(env)
             if agent:
-                spec = json.dumps({**json.loads(spec), "agent": agent}).encode() + b"\n"
+                spec = json.dumps({**json.loads(spec), "agent": agent,
+                                   "model": self.agent_model}).encode() + b"\n"
             popen.stdin.write(spec)
             popen.stdin.flush()
         except OSError:
@@ -272,6 +288,8 @@ class Host:
         self.timeout = 10.0
         # simulated agents: name -> (DEALER, its outbox), ZMQ_FD -> name, main id -> rank
         self.agents: dict[str, tuple[zmq.Socket, list[tuple[bytes, list[Any]]]]] = {}
+        self.folders: dict[str, Folder] = {}  # name -> its folding of equal results (fold.py)
+        self.per_host = True  # SimLauncher.agent_model == "host"
         self.agent_fds: dict[int, str] = {}
         self.by_main: dict[bytes, SimRank] = {}
         self.by_ctl: dict[bytes, SimRank] = {}
@@ -287,6 +305,7 @@ class Host:
         outbox = None
         if spec.get("agent"):
             outbox = self.agent(spec["agent"], env)[1]
+            self.per_host = spec.get("model", "host") == "host"
         rank = SimRank(self.ctx, env, time.monotonic(), link, outbox)
         self.by_main[rank.main_id] = rank
         self.by_ctl[rank.ctl_id] = rank
@@ -312,6 +331,7 @@ class Host:
             sock = dealer(self.ctx, name, env.controller, env.curve)
             sock.setsockopt(zmq.LINGER, 0)
             found = self.agents[name] = (sock, [])
+            self.folders[name] = Folder(env.key, name)
             fd = int(sock.getsockopt(zmq.FD))
             self.agent_fds[fd] = name
             self.epoll.register(fd, select.EPOLLIN)
@@ -330,6 +350,8 @@ class Host:
             except Exception as exc:  # ProtocolError: dropped whole, as the agent's relay does
                 self.dropped[getattr(exc, "reason", "malformed")] += 1
                 continue
+            if self.per_host and self.answer_as_host(name, idents, frames[1:]):
+                continue
             for ident in idents:
                 rank = self.by_main.get(ident)
                 codec = None if rank is None else rank.main_codec
@@ -345,12 +367,42 @@ class Host:
                     continue
                 self.handle(rank, msg)
 
+    def answer_as_host(self, name: str, idents: list[bytes], frames: list[Any]) -> bool:
+        """A call to several ranks of agent ``name`` answered with a real
+        host's wall time, not its CPU: on a real host the ranks verify the
+        same fan-out and answer at the same time, each on its own cores, so
+        one verify stands for all of them here, and the answer is what the
+        real relay sends up for their equal plain results: one fold signed
+        by the agent (monarch_nb/wire/fold.py). False: not a no-op call to
+        more than one rank (each rank then answers for itself)."""
+        ranks = [self.by_main.get(ident) for ident in idents]
+        if len(ranks) < 2 or any(r is None for r in ranks):
+            return False
+        first = ranks[0]
+        assert first is not None
+        try:
+            msg = first.main_codec.verify(frames)
+        except Exception as exc:  # ProtocolError: dropped, as each rank would
+            self.dropped[getattr(exc, "reason", "malformed")] += 1
+            return True
+        if msg.kind is not Kind.CALL:
+            for rank in ranks:
+                assert rank is not None
+                self.handle(rank, msg)
+            return True
+        outbox = self.agents[name][1]
+        outbox.append(self.folders[name].make(idents, msg.call, None))
+        return True
+
     def flush(self) -> None:
-        """Each agent's answers of this turn, up as one batch."""
-        for sock, outbox in self.agents.values():
+        """Each agent's answers of this turn, up as one batch, its ranks'
+        equal results folded as a real agent's relay folds them (its CPU is
+        the simulated host's)."""
+        for name, (sock, outbox) in self.agents.items():
             if outbox:
-                frames = [f for _, fs in outbox for f in fs]
-                send_frames(sock, [pack_batch([(i, len(fs)) for i, fs in outbox]), *frames])
+                up = self.folders[name].fold(outbox) if len(outbox) > 1 else outbox
+                frames = [f for _, fs in up for f in fs]
+                send_frames(sock, [pack_batch([(i, len(fs)) for i, fs in up]), *frames])
                 outbox.clear()
 
     def read_specs(self) -> bool:
