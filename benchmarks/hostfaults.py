@@ -2,7 +2,8 @@
 """Faults across hosts with host agents: a killed, a stopped and a
 GIL-holding remote rank, a lost host with and without a spare host.
 
-    sudo .venv/bin/python benchmarks/hostfaults.py [--repeat 3] [--quick] [--only kill,stop,gil,lost_spare,lost] [--json out.json]
+    sudo .venv/bin/python benchmarks/hostfaults.py [--repeat 3] [--quick] [--only kill,stop,gil,lost_spare,lost]
+                                              [--gil-seconds 30] [--json out.json]
 
 Network namespaces stand for hosts (tests/engines.py, as in
 tests/test_netns_hosts.py): the controller in one, 4 CPU ranks on two
@@ -18,8 +19,9 @@ namespace's address, ``master_addr`` host A's. Each figure is the median
 2. remote SIGSTOP: ``os.kill(pid of rank 1, SIGSTOP)`` (the namespaces
    share the pid namespace), until rank 1 is replaced and the all_reduce
    answers on all ranks (spares warm first, as in 1).
-3. remote GIL hold: rank 1 runs ``ctypes.PyDLL(None).sleep(8)`` (a C call
-   that keeps the GIL: no heartbeat for 8 s); whether rank 1 survived
+3. remote GIL hold: rank 1 runs ``ctypes.PyDLL(None).sleep(S)`` (a C call
+   that keeps the GIL: no heartbeat for S s; ``--gil-seconds``, 30 as in
+   the issue); whether rank 1 survived
    (incarnation after the call) and a ``busy_silent`` event was recorded.
 4. lost host with a spare host (a 4th namespace, ``spare_hosts=``,
    ``host_timeout=3``): every process of host B's namespace killed and the
@@ -60,7 +62,7 @@ DRIVER = """
     from monarch_nb import Mesh
     from monarch_nb.config import SPARE_WAITING
 
-    fig, hosts, spare, master, bind = sys.argv[1:6]
+    fig, hosts, spare, master, bind, gil_s = sys.argv[1:7]
     os.environ["MONARCH_NB_SSH"] = "ip netns exec {host} sh -c"
     ALL_REDUCE = "x = torch.ones(1)\\ndist.all_reduce(x)\\nx.item()"
     LOOP = ("import time\\nfor _ in range(100000):\\n"
@@ -150,7 +152,8 @@ DRIVER = """
         elif fig == "gil":
             t = time.monotonic()
             try:
-                mesh.ranks(1).exec("import ctypes\\nctypes.PyDLL(None).sleep(8)", timeout=60)
+                mesh.ranks(1).exec(f"import ctypes\\nctypes.PyDLL(None).sleep({gil_s})",
+                                   timeout=float(gil_s) + 60)
                 out["error"] = ""
             except Exception as exc:
                 out["error"] = f"{type(exc).__name__}: {exc}"
@@ -213,7 +216,7 @@ def _lose_host(ns: str) -> None:
     subprocess.run(["ip", "netns", "del", ns], check=True, timeout=30)
 
 
-def run_trial(hosts: Any, fig: str, folder: str) -> dict[str, Any]:
+def run_trial(hosts: Any, fig: str, folder: str, gil_s: int = 30) -> dict[str, Any]:
     """One fresh mesh in the controller namespace (``hosts.names[0]``),
     ranks on names[1], names[2]; names[3] the spare host for lost_spare."""
     driver = Path(folder, "driver.py")
@@ -225,7 +228,7 @@ def run_trial(hosts: Any, fig: str, folder: str) -> dict[str, Any]:
     spare_addr = hosts.addrs[3] if fig == "lost_spare" else ""
     proc = subprocess.Popen(
         ["ip", "netns", "exec", hosts.names[0], sys.executable, str(driver), fig, f"{a},{b}",
-         spare, hosts.addrs[1], hosts.addrs[0]],
+         spare, hosts.addrs[1], hosts.addrs[0], str(gil_s)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errfile, text=True,
         env=env, cwd=folder)
     try:
@@ -270,6 +273,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="one trial per figure")
     p.add_argument("--only", default="kill,stop,gil,lost_spare,lost",
                    help="figures to run, comma-separated (default: all)")
+    p.add_argument("--gil-seconds", type=int, default=30,
+                   help="how long rank 1 holds the GIL in the gil figure (the issue's 30 s)")
     p.add_argument("--json", default=None)
     ns = p.parse_args()
     if os.geteuid() != 0:
@@ -291,7 +296,7 @@ def main() -> int:
                 for i in range(repeat):
                     for fig in same:
                         print(f"trial {i + 1}: {fig} ...", file=sys.stderr, flush=True)
-                        results[fig].append(run_trial(hosts, fig, folder))
+                        results[fig].append(run_trial(hosts, fig, folder, ns.gil_seconds))
         for fig in (f for f in figs if f in ("lost_spare", "lost")):
             for i in range(repeat):  # the lost namespace is gone: a fresh set each time
                 print(f"trial {i + 1}: {fig} ...", file=sys.stderr, flush=True)
@@ -314,7 +319,8 @@ def main() -> int:
         r = results["gil"]
         kept = sum(x["incarnation"] == 0 and not x["error"] for x in r)
         busy = sum(bool(x["busy_silent"]) for x in r)
-        rows.append(("remote GIL hold 8 s on rank 1 (`ctypes.PyDLL(None).sleep(8)`)",
+        rows.append((f"remote GIL hold {ns.gil_seconds} s on rank 1 "
+                     f"(`ctypes.PyDLL(None).sleep({ns.gil_seconds})`)",
                      "killed as \"frozen or hung host\"",
                      f"not killed {kept}/{len(r)}, busy_silent event {busy}/{len(r)}; call took "
                      f"{_span([x['s'] for x in r])}"))

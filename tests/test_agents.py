@@ -223,6 +223,28 @@ def test_a_stopped_remote_rank_is_seen_through_its_agent(two_hosts: dict) -> Non
         mesh.stop()
 
 
+HOLD_GIL = "import ctypes\nctypes.PyDLL(None).sleep({seconds})\n'ok'"  # keeps the GIL
+
+
+def test_a_remote_rank_holding_the_gil_past_the_controller_timeout_stays(two_hosts: dict
+                                                                         ) -> None:
+    # Its control thread cannot read the pings its agent relays while the main
+    # thread holds the GIL; once it runs again they are waiting there: that is
+    # not a silent controller (the rank used to exit, "controller silent").
+    mesh = Mesh.start(n=2, backend="cpu", launcher="ssh", hosts="hA,hB", bind="127.0.0.1",
+                      master_addr="127.0.0.1", start_timeout=90, heartbeat_timeout=1.0,
+                      controller_timeout=2.0)
+    try:
+        for _ in range(2):
+            assert mesh.ranks(1).exec(HOLD_GIL.format(seconds=5), timeout=60) == {1: "ok"}
+        assert mesh.status()[1]["incarnation"] == 0
+        assert not [e for e in mesh.events if e["kind"] == "died"], mesh.events
+        busy = [e for e in mesh.events if e["kind"] == "busy_silent"]
+        assert busy and busy[0]["rank"] == 1, mesh.events  # seen busy through its agent, kept
+    finally:
+        mesh.stop()
+
+
 def test_a_lost_host_without_a_spare_then_a_host_given_later(two_hosts: dict) -> None:
     mesh = _start()
     try:

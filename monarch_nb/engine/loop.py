@@ -431,7 +431,10 @@ class Worker:
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_S
                 self._send_ctl(Kind.HEARTBEAT, meta={"busy": self.running_call, "h": health.read()})
-                if now - self.last_ping > env.controller_timeout:
+                # (a ping waiting unread is not silence: after a long GIL
+                # hold by the main thread this thread runs on from where it
+                # was, and the pings of the hold are still to be read)
+                if now - self.last_ping > env.controller_timeout and not ctl.poll(0):
                     print(f"monarch_nb rank {env.rank}: controller silent for "
                           f"{env.controller_timeout:g} s, exiting", file=sys.__stderr__)
                     os._exit(3)
