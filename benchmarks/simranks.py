@@ -125,7 +125,11 @@ class SimLauncher:
 
     def __post_init__(self) -> None:
         if self.agents:
+            # ranks on other hosts, as behind real agents: no link, and
+            # liveness does not read this machine's /proc per silent rank (a
+            # real agent's ranks' states come in its reports: a dict lookup)
             self.links = False
+            self.remote = True
 
     @property
     def relays(self) -> bool:
