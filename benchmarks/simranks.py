@@ -400,14 +400,17 @@ class Host:
 
     def flush(self) -> None:
         """Each agent's answers of this turn, up as one batch, its ranks'
-        equal results folded as a real agent's relay folds them (its CPU is
-        the simulated host's)."""
+        equal results folded and their heartbeats held as a real agent's
+        relay does (its CPU is the simulated host's)."""
+        now = time.monotonic()
         for name, (sock, outbox) in self.agents.items():
-            if outbox:
-                up = self.folders[name].fold(outbox) if len(outbox) > 1 else outbox
-                frames = [f for _, fs in up for f in fs]
-                send_frames(sock, [pack_batch([(i, len(fs)) for i, fs in up]), *frames])
+            folder = self.folders[name]
+            if outbox or (folder.due is not None and now >= folder.due):
+                up = folder.fold(outbox, now)  # heartbeats held as the relay holds them
                 outbox.clear()
+                if up:
+                    frames = [f for _, fs in up for f in fs]
+                    send_frames(sock, [pack_batch([(i, len(fs)) for i, fs in up]), *frames])
 
     def read_specs(self) -> bool:
         """New rank specs from stdin; False at its end (the mesh is gone)."""

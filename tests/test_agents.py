@@ -198,10 +198,12 @@ def test_output_stacks_interrupts_and_heartbeats_go_through_the_agents(two_hosts
                  what="the ranks to be busy")
         assert slow.cancel()
         assert mesh.run(lambda: "back", timeout=30) == dict.fromkeys(range(4), "back")
-        # heartbeats keep coming while nobody calls, in the agents' batches
-        before = io.relayed["messages"]
-        wait_for(lambda: io.relayed["messages"] >= before + 8, timeout=10,
+        # heartbeats keep coming while nobody calls, a host's of a moment in one
+        # BEATS of its agent (wire/fold.py), and the ranks' health with them
+        before = io.relayed["beats"]
+        wait_for(lambda: io.relayed["beats"] >= before + 8, timeout=10,
                  what="heartbeats through the agents")
+        assert all(r["rss"] for r in mesh.status()), mesh.status()  # from their heartbeats
         assert io.relayed["batches"] > heard_before["batches"]
         assert not mesh.dropped, mesh.dropped
         assert all(r["incarnation"] == 0 for r in mesh.status())  # none died on the way

@@ -13,13 +13,18 @@ controller taking a fold (transport.IOLoop, controller/calls/assembler.py).
   signed with another key, one claiming another agent as its sender, or any
   other kind sent as the agent's own is dropped and counted;
 * the assembler over a real call table: a fold completes each of its ranks
-  once, a mutable value is one object per rank.
+  once, a mutable value is one object per rank;
+* heartbeats: held by the agent, then one BEATS of each rank's newest (a
+  forged one passed through); any BEATS payload is heartbeats or a
+  ProtocolError (hypothesis); the controller takes a BEATS only for the
+  agent's own ranks.
 
 Real agents folding real ranks' results: tests/test_agents.py.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -31,7 +36,7 @@ from hypothesis import strategies as st
 
 from monarch_nb.errors import ProtocolError
 from monarch_nb.wire import serialize
-from monarch_nb.wire.fold import MAX_MEMBERS, Folder, pack_members, unpack_members
+from monarch_nb.wire.fold import MAX_MEMBERS, Folder, pack_members, unpack_beats, unpack_members
 from monarch_nb.wire.protocol import Codec, Kind, Message, new_key
 from monarch_nb.wire.relay import pack_batch
 from monarch_nb.wire.transport import IOLoop
@@ -154,6 +159,51 @@ def test_a_folded_batch_reads_back_as_each_channel_sent_it(plan: list[tuple[str,
     assert by_channel(got) == by_channel(expected)
 
 
+def beat(name: str, busy: int, codec: Codec | None = None) -> tuple[bytes, list[bytes]]:
+    signer = codec or CODECS[name]
+    return name.encode(), [bytes(f) for f in signer.sign(Kind.HEARTBEAT,
+                                                          meta={"busy": busy, "h": {"cpu": 1.0}})]
+
+
+def test_heartbeats_are_held_then_go_up_as_one_beats_of_each_ranks_newest() -> None:
+    folder = Folder(KEY, AGENT, beat_hold=0.25)
+    forged = beat("r2.ctl", 0, Codec(new_key(), "r2.ctl"))
+    result0 = result("r0.main", 4, 1)
+    assert folder.fold([beat("r0.ctl", 1), result0, beat("r1.ctl", 0)], now=10.0) == [result0]
+    assert folder.due == 10.25
+    assert folder.fold([beat("r0.ctl", 2), forged], now=10.1) == []  # not yet
+    out = folder.fold([], now=10.3)
+    assert folder.due is None and out[0] == forged and len(out) == 2, out  # forged: as it came
+    ident, frames = out[1]
+    msg = Codec(KEY, "controller").verify(frames, expected_sender=AGENT)
+    assert ident == AGENT.encode() and msg.kind is Kind.BEATS
+    assert unpack_beats(msg.payload[0]) == {b"r0.ctl": {"busy": 2, "h": {"cpu": 1.0}},
+                                            b"r1.ctl": {"busy": 0, "h": {"cpu": 1.0}}}
+    assert folder.beats_folded == 2
+    # one heartbeat alone goes up as it came; without a clock none is held
+    one = beat("r3.ctl", 0)
+    assert folder.fold([one], now=20.0) == [] and folder.fold([], now=21.0) == [one]
+    assert folder.fold([one]) == [one]
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=200) | st.builds(
+    lambda d: json.dumps(d).encode(),
+    st.dictionaries(st.text(max_size=8), st.dictionaries(
+        st.sampled_from(["busy", "h", "x"]), st.integers() | st.text(max_size=4) | st.just({})),
+        max_size=4)))
+def test_any_beats_payload_is_heartbeats_or_a_protocol_error(data: bytes) -> None:
+    try:
+        beats = unpack_beats(data)
+    except ProtocolError as exc:
+        assert exc.reason == "malformed"
+        return
+    assert beats and all(isinstance(i, bytes) and i for i in beats)
+    for meta in beats.values():
+        assert set(meta) <= {"busy", "h"}
+        assert type(meta.get("busy", 0)) is int and type(meta.get("h", {})) is dict
+
+
 # -- the controller's side, real sockets ----------------------------------------------------
 class Loop:
     """An IOLoop with r0, r1 routed through agent A and r2 through B; the
@@ -163,11 +213,14 @@ class Loop:
         self.codec = Codec(KEY, "controller")
         self.got: list[tuple[bytes, Message]] = []
         self.folds: list[tuple[list[bytes], Message]] = []
+        self.beats: list[dict[bytes, dict[str, Any]]] = []
         self.io = IOLoop(self.codec, lambda ident, msg: self.got.append((ident, msg)),
-                         on_fold=lambda members, msg: self.folds.append((members, msg)))
+                         on_fold=lambda members, msg: self.folds.append((members, msg)),
+                         on_beats=self.beats.append)
         self.io.start()
         for rank, agent in ((b"r0.main", b"agentA"), (b"r1.main", b"agentA"),
-                            (b"r2.main", b"agentB")):
+                            (b"r2.main", b"agentB"), (b"r0.ctl", b"agentA"),
+                            (b"r2.ctl", b"agentB")):
             self.io.attach_relay(rank, agent)
         self.ctx = zmq.Context()
         self.agent = self.ctx.socket(zmq.DEALER)
@@ -215,6 +268,24 @@ def test_a_fold_is_delivered_with_its_ranks_and_a_bad_one_is_dropped(loop: Loop)
                                "relay-kind": 1}, loop.io.dropped
     assert loop.io.relayed["folds"] == 1 and loop.io.relayed["folded"] == 2
     assert not loop.got
+
+
+def test_beats_are_delivered_for_the_agents_ranks_only(loop: Loop) -> None:
+    agent = Codec(KEY, "agentA")
+    meta = {"busy": 0, "h": {"rss": 5}}
+
+    def beats(body: bytes) -> tuple[bytes, list[Any]]:
+        return b"agentA", agent.sign(Kind.BEATS, [body])
+
+    loop.batch([beats(json.dumps({"r0.ctl": meta, "r2.ctl": meta}).encode()),  # r2: B's
+                beats(b"{not json"),
+                beats(json.dumps({"r0.ctl": {"busy": "x"}}).encode()),  # off the schema
+                beats(json.dumps({"r0.ctl": meta}).encode())])
+    wait_for(lambda: loop.beats, what="the good BEATS")
+    wait_for(lambda: sum(loop.io.dropped.values()) == 3, what="three dropped")
+    assert loop.beats == [{b"r0.ctl": meta}]
+    assert loop.io.dropped == {"relay-foreign": 1, "malformed": 2}, loop.io.dropped
+    assert loop.io.relayed["beats"] == 1
 
 
 # -- the assembler ----------------------------------------------------------------------------

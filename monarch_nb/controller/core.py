@@ -86,7 +86,7 @@ class Controller:
                         "anyone on the network can read every message", cfg.bind)
         self.io = IOLoop(self.codec, self._on_message, bind=cfg.bind, on_tick=self._on_tick,
                          max_message_bytes=cfg.max_message_bytes, curve=self.curve,
-                         on_fold=self._on_fold)
+                         on_fold=self._on_fold, on_beats=self._on_beats)
         logdirs.sweep()  # log directories left by controllers that were killed
         self.supervisor = Supervisor(
             world_size=world_size, backend=backend, controller_endpoint=self.io.endpoint,
@@ -336,6 +336,16 @@ class Controller:
         for info in infos:
             info.last_heartbeat = now
         self.assembler.on_folded(infos, msg)
+
+    def _on_beats(self, beats: dict[bytes, dict[str, Any]]) -> None:
+        """Heartbeats of several ranks of one host (wire/fold.py; the
+        transport checked they are its agent's), as each one's HEARTBEAT."""
+        lookup, now = self.ranks.lookup, time.monotonic()
+        for ident, meta in beats.items():
+            info = lookup(ident)
+            if info is not None:
+                info.last_heartbeat = now
+                info.health = meta.get("h") or info.health
 
     # -- the call table's hooks ------------------------------------------------------
     def _ranks_done(self, call: PendingCall, ranks: Sequence[int]) -> None:

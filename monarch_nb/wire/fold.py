@@ -23,7 +23,15 @@ is one the agent relays for (transport.IOLoop). A message that fails the
 agent's check is passed through unchanged: the controller drops and counts
 it, where the user sees it (``mesh.dropped``).
 
-Order: a rank's messages on one channel keep their order. A result joins a
+Heartbeats: each rank beats every half second at its own moment, so the
+relay holds them (:data:`BEAT_HOLD_S`) and sends those of the moment as one
+``BEATS`` message, verified and signed by the agent like a fold (payload:
+JSON, each rank's control id and its heartbeat's meta). The controller's
+liveness looks at heartbeats only after seconds of silence; a stopped rank
+is seen through its process state, which the agent reports on its own.
+
+Order: a rank's messages on one channel keep their order (a heartbeat
+excepted: nothing waits for it). A result joins a
 fold only if it is its channel's first message of the batch, and the fold
 takes the place of its first member, so nothing a member sent before the
 result comes after it, nor anything after it before.
@@ -34,30 +42,47 @@ the controller does with a fold (controller/calls/assembler.py).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ProtocolError
-from .protocol import INLINE, INLINE_MAX, SIGNATURE_BYTES, Codec, Kind
+from .protocol import INLINE, INLINE_MAX, SIGNATURE_BYTES, Codec, Kind, check_meta
 
 MAX_MEMBERS = 1024  # ranks named by one fold (far above a host's)
 # where the kind and flags sit in a signed first frame (protocol.HEAD: version, kind, flags)
 _KIND_AT = SIGNATURE_BYTES + 1
 _RESULT_CODE = list(Kind).index(Kind.RESULT)
+_BEAT_CODE = list(Kind).index(Kind.HEARTBEAT)
+_BEAT_MAX = 16 * 1024  # a heartbeat is a header with a few health figures
+# heartbeats wait this long in the agent for others to go up with; the
+# controller's liveness needs them only every few seconds (heartbeat_timeout),
+# a stopped rank is seen through its process state, not its heartbeat
+BEAT_HOLD_S = 0.25
 _FLAGS = (0, INLINE)  # no payload frame (0), or the one inline
 
 Entry = tuple[bytes, Sequence[Any]]  # (sender's routing id, its message's frames)
 
 
 class Folder:
-    """One host's folding of its ranks' plain results (the agent's relay
-    thread; :meth:`fold` keeps no state between batches but the replay
-    windows of the ranks' messages it verified)."""
+    """One host's folding of its ranks' plain results and heartbeats (the
+    agent's relay thread). Between batches it keeps the heartbeats it holds
+    and the replay windows of the ranks' messages it verified."""
 
-    def __init__(self, key: bytes, ident: str) -> None:
+    def __init__(self, key: bytes, ident: str, beat_hold: float = BEAT_HOLD_S) -> None:
         self.ident = ident.encode()
         self.codec = Codec(key, ident)  # verifies the ranks', signs the agent's own
         self.folded = 0  # results that went up inside a fold
+        self.beats_folded = 0  # heartbeats that went up inside a BEATS
+        self.beat_hold = beat_hold
+        self._beats: list[Entry] = []  # held heartbeats, oldest first
+        self._beats_due: float | None = None  # when they go up
+
+    @property
+    def due(self) -> float | None:
+        """When held heartbeats must go up (call :meth:`fold` then, with or
+        without new entries); None while none is held."""
+        return self._beats_due
 
     def make(self, idents: Sequence[bytes], call: int, payload: bytes | None) -> Entry:
         """The fold of ``idents``' plain result ``payload`` (None: no value
@@ -68,9 +93,13 @@ class Folder:
         self.folded += len(idents)
         return self.ident, self.codec.sign(Kind.FOLD, body, call=call)
 
-    def fold(self, entries: Sequence[Entry]) -> list[Entry]:
+    def fold(self, entries: Sequence[Entry], now: float | None = None) -> list[Entry]:
         """``entries`` with the foldable results of each call folded (see the
-        module's docstring); the rest, and every single result, unchanged."""
+        module's docstring); the rest, and every single result, unchanged.
+        With ``now`` (the relay's clock), heartbeats are held too, and those
+        held go up together once :attr:`due` (at the end of the batch)."""
+        if now is not None:
+            entries = self._hold_beats(entries, now)
         groups: dict[tuple[int, bytes | None], list[int]] = {}  # (call, payload) -> entries
         seen: set[bytes] = set()  # ids with an earlier message in this batch
         for i, (ident, frames) in enumerate(entries):
@@ -95,15 +124,59 @@ class Folder:
                     continue
                 folds[part[0]] = self.make([entries[i][0] for i in part], call, payload)
                 skip.update(part)
-        if not folds:
-            return list(entries)
         out: list[Entry] = []
-        for i, entry in enumerate(entries):
-            fold = folds.get(i)
-            if fold is not None:
-                out.append(fold)
-            elif i not in skip:
-                out.append(entry)
+        if not folds:
+            out = list(entries)
+        else:
+            for i, entry in enumerate(entries):
+                fold = folds.get(i)
+                if fold is not None:
+                    out.append(fold)
+                elif i not in skip:
+                    out.append(entry)
+        if now is not None and self._beats_due is not None and (
+                now >= self._beats_due or len(self._beats) >= MAX_MEMBERS):
+            out += self._take_beats()
+        return out
+
+    def _hold_beats(self, entries: Sequence[Entry], now: float) -> Sequence[Entry]:
+        """``entries`` without their heartbeats, which are held (a
+        heartbeat only says its rank's control thread runs, and carries its
+        health figures: nothing else on its channel waits for it, so it may
+        go up later than what its rank sent after it)."""
+        rest: list[Entry] = []
+        beats = self._beats
+        for entry in entries:
+            frames = entry[1]
+            if len(frames) == 1 and _is_beat(frames[0]):
+                beats.append(entry)
+            else:
+                rest.append(entry)
+        if beats and self._beats_due is None:
+            self._beats_due = now + self.beat_hold
+        return rest if len(rest) != len(entries) else entries
+
+    def _take_beats(self) -> list[Entry]:
+        """The held heartbeats: one BEATS signed by this agent for those it
+        verified (each rank's newest), the others as they came (the
+        controller drops and counts them)."""
+        held, self._beats, self._beats_due = self._beats, [], None
+        newest: dict[bytes, dict[str, Any]] = {}
+        out: list[Entry] = []
+        for ident, frames in held:
+            try:
+                msg = self.codec.verify(frames, expected_sender=ident.decode())
+            except Exception:
+                out.append((ident, frames))
+                continue
+            newest[ident] = msg.meta
+        if len(newest) == 1 and not out and len(held) == 1:
+            return held  # one heartbeat: as it came
+        if newest:
+            body = json.dumps({i.decode(): m for i, m in newest.items()},
+                              separators=(",", ":")).encode()
+            out.append((self.ident, self.codec.sign(Kind.BEATS, [body])))
+            self.beats_folded += len(newest)
         return out
 
 
@@ -124,6 +197,30 @@ def unpack_members(frame: Any) -> list[bytes]:
     return members
 
 
+def unpack_beats(frame: Any) -> dict[bytes, dict[str, Any]]:
+    """A BEATS payload: each rank's control id and its heartbeat's meta
+    (checked against the HEARTBEAT schema); ProtocolError("malformed")
+    unless it is exactly that."""
+    try:
+        beats = json.loads(bytes(frame))
+        if type(beats) is not dict or not 0 < len(beats) <= MAX_MEMBERS:
+            raise ValueError(f"not an object of 1 to {MAX_MEMBERS} heartbeats")
+        out = {}
+        for ident, meta in beats.items():
+            if not ident or type(meta) is not dict:
+                raise ValueError("a heartbeat is not an id and a meta object")
+            check_meta(Kind.HEARTBEAT, meta)
+            out[ident.encode()] = meta
+        return out
+    except (ValueError, TypeError, RecursionError) as exc:  # (UnicodeError is a ValueError)
+        raise ProtocolError("malformed", f"BEATS: {str(exc)[:200]}") from None
+
+
+def _is_beat(first: Any) -> bool:
+    head = first if isinstance(first, (bytes, bytearray)) else memoryview(first)
+    return len(head) > _KIND_AT and head[_KIND_AT] == _BEAT_CODE and len(head) <= _BEAT_MAX
+
+
 def _plain_result(first: Any) -> bool:
     """A cheap look before verifying: a RESULT small enough that its value
     (if any) travels inline (verify checks the header again, signed)."""
@@ -132,4 +229,5 @@ def _plain_result(first: Any) -> bool:
             and head[_KIND_AT + 1] in _FLAGS and len(head) <= INLINE_MAX + 1024)
 
 
-__all__ = ["MAX_MEMBERS", "Folder", "pack_members", "unpack_members"]
+__all__ = ["BEAT_HOLD_S", "MAX_MEMBERS", "Folder", "pack_members", "unpack_beats",
+           "unpack_members"]

@@ -8,7 +8,8 @@ stacks), so the host has no other connection to the controller. The relay
 thread moves messages between those links and its one DEALER: a fan-out
 from the controller (wire/relay.py) is sent to each rank it names, and what
 the ranks sent within one turn goes up as one batch, in which the same
-plain result of several ranks is one message (fold.py).
+plain result of several ranks is one message, and so are the heartbeats of
+a moment (fold.py).
 So a call to a host's 8 ranks is one message each way on the network, and
 the controller's work per call grows with hosts, not ranks.
 
@@ -26,9 +27,11 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 import zmq
@@ -104,7 +107,11 @@ class Relay:
                 log.exception("monarch_nb agent: relay turn failed")
 
     def _turn(self) -> None:
-        events = self._poller.poll(1000)
+        folder = self.folder
+        timeout = 1000
+        if folder is not None and folder.due is not None:  # held heartbeats go up then
+            timeout = max(0, math.ceil((folder.due - time.monotonic()) * 1000))
+        events = self._poller.poll(timeout)
         up: list[tuple[bytes, list[Any]]] = []
         for what, ev in events:
             if what is self.sock:
@@ -119,6 +126,8 @@ class Relay:
                 found = self._by_fd.get(what)
                 if found is not None:
                     self._serve(found[0], found[1], ev, up)
+        if folder is not None and (up or folder.due is not None):
+            up = folder.fold(up, time.monotonic())  # type: ignore[assignment]
         if up:
             self._up(up)
 
@@ -181,10 +190,8 @@ class Relay:
         link.close()
 
     def _up(self, up: list[tuple[bytes, list[Any]]]) -> None:
-        """What the ranks sent this turn, as few batches as the bounds allow
-        (equal plain results folded into one message first: fold.py)."""
-        if self.folder is not None and len(up) > 1:
-            up = self.folder.fold(up)  # type: ignore[assignment]
+        """What the ranks sent this turn (folded: fold.py), as few batches
+        as the bounds allow."""
         start = 0
         size = 0
         for i, (_, frames) in enumerate(up):

@@ -102,6 +102,10 @@ class Kind(str, enum.Enum):
     # agent (wire/fold.py; payload: the ranks' main ids, one per line, then
     # the value's frame if any)
     FOLD = "fold"
+    # agent -> controller: its ranks' heartbeats of the last moment, verified
+    # and signed by their agent (wire/fold.py; payload: JSON, control id ->
+    # the heartbeat's meta)
+    BEATS = "beats"
 
 
 # What each kind's meta may hold, and of what JSON type: the one place the

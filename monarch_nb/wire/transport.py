@@ -48,7 +48,7 @@ from zmq.utils import z85
 
 from ..errors import ProtocolError, UsageError, no_free_port
 from .endpoints import ZAP_ENDPOINT, CurveKeys, bind_host
-from .fold import unpack_members
+from .fold import unpack_beats, unpack_members
 from .link import DROPPED, Link
 from .protocol import Codec, Kind, Message
 from .relay import pack_fanout, unpack_batch
@@ -61,6 +61,8 @@ _Plan = tuple[list[tuple[bytes, bytes]], list[bytes]]
 _MAX_PLANS = 64
 # a host agent's fold (fold.py): the ranks' main ids, the verified FOLD
 FoldHandler = Callable[[list[bytes], Message], None]
+# a host agent's BEATS (fold.py): each rank's control id and its heartbeat's meta
+BeatsHandler = Callable[[dict[bytes, dict[str, Any]]], None]
 
 # After a blocking caller hands the sockets back, the I/O thread waits this
 # long before taking them: a loop of calls then never pays for waking it, and
@@ -82,10 +84,12 @@ class IOLoop:
         max_message_bytes: int = 4 << 30,
         curve: CurveKeys | None = None,
         on_fold: FoldHandler | None = None,
+        on_beats: BeatsHandler | None = None,
     ) -> None:
         self.codec = codec
         self._on_message = on_message
         self._on_fold = on_fold
+        self._on_beats = on_beats
         self._on_tick = on_tick
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -140,7 +144,8 @@ class IOLoop:
         # by attach/detach, never changed in place)
         self._plans: dict[tuple[bytes, ...], _Plan] = {}
         # messages sent to agents ("fan-outs"), batches from them, messages in
-        # those, the folds among them (fold.py) and the results they carried
+        # those, the folds among them (fold.py), the results they carried and
+        # the heartbeats that came in BEATS
         self.relayed: collections.Counter[str] = collections.Counter()
         self.max_message_bytes = max_message_bytes
         # Pidfds and links (one each per rank) wait in one epoll set, which
@@ -410,26 +415,37 @@ class IOLoop:
             self._deliver(ident, self._ident_str(ident), part)
 
     def _deliver_fold(self, agent: bytes, frames: list[Any]) -> None:
-        """An agent's FOLD (fold.py): verified as the agent's, taken only
-        if every rank it names is one of this agent's."""
+        """An agent's own message, a FOLD or BEATS (fold.py): verified as
+        the agent's, taken only if every rank it names is one of this
+        agent's."""
         try:
             msg = self.codec.verify(frames, expected_sender=self._ident_str(agent))
-            if msg.kind is not Kind.FOLD or self._on_fold is None or not msg.payload:
-                raise ProtocolError("relay-kind", f"an agent may send folds, not {msg.kind.value}")
-            members = unpack_members(msg.payload[0])
+            kind = msg.kind
+            if kind is Kind.FOLD and self._on_fold is not None and msg.payload:
+                members = unpack_members(msg.payload[0])
+                beats = None
+            elif kind is Kind.BEATS and self._on_beats is not None and len(msg.payload) == 1:
+                beats = unpack_beats(msg.payload[0])
+                members = list(beats)
+            else:
+                raise ProtocolError("relay-kind", f"an agent sends folds and beats, not {kind.value}")
             relays = self._relays
             for ident in members:
                 if relays.get(ident) != agent:
                     raise ProtocolError("relay-foreign",
                                         f"{ident[:64]!r} is not a rank of this agent")
-            msg.payload = msg.payload[1:]  # the value's frames, as a RESULT's
         except Exception as exc:
             self._drop(agent, exc)
             return
-        self.relayed["folds"] += 1
-        self.relayed["folded"] += len(members)
         try:
-            self._on_fold(members, msg)
+            if beats is not None:
+                self.relayed["beats"] += len(beats)
+                self._on_beats(beats)  # type: ignore[misc]
+                return
+            self.relayed["folds"] += 1
+            self.relayed["folded"] += len(members)
+            msg.payload = msg.payload[1:]  # the value's frames, as a RESULT's
+            self._on_fold(members, msg)  # type: ignore[misc]
         except Exception:
             log.exception("monarch_nb I/O thread fold handler failed")
 
