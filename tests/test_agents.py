@@ -225,6 +225,33 @@ def test_a_stopped_remote_rank_is_seen_through_its_agent(two_hosts: dict) -> Non
         mesh.stop()
 
 
+def test_the_debugger_relay_and_a_breakpoint_through_the_agents(
+        two_hosts: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    # prompts (PROMPT) come up and typed lines (INPUT) go down each rank's
+    # control link through its agent, as for a local rank's
+    from .test_debugging import Script
+
+    mesh = _start()
+    try:
+        with pytest.raises(Exception, match="ZeroDivisionError"):
+            mesh.ranks(3).exec("def g(x):\n    return x / 0\ng(21)\n", name="<mnb-cell-4>")
+        capsys.readouterr()
+        script = Script("p x * 2", "q")
+        mesh._ctl.ask = script
+        mesh.debug(3)
+        out = capsys.readouterr().out
+        assert script.prompts == ["[rank 3] (Pdb) "] * 2, script.prompts
+        assert "[3] post-mortem of ZeroDivisionError" in out and "[3] 42" in out, out
+        script = Script("p a + 100", "c")
+        mesh._ctl.ask = script
+        assert mesh.ranks(2).exec("a = 1\nbreakpoint()\na * 5\n", name="<mnb-cell-5>") == {2: 5}
+        assert script.prompts[0] == "[rank 2] (Pdb) " and "[2] 101\n" in capsys.readouterr().out
+        assert mesh.run(lambda: "fine") == dict.fromkeys(range(4), "fine")
+    finally:
+        mesh._ctl.ask = None
+        mesh.stop()
+
+
 HOLD_GIL = "import ctypes\nctypes.PyDLL(None).sleep({seconds})\n'ok'"  # keeps the GIL
 
 
