@@ -491,20 +491,24 @@ class Mesh(_RankSet):
 
     def status(self) -> list[dict[str, Any]]:
         """One dict per rank: state, pid, incarnation, device, heartbeat age,
-        exit, restarts, host, health (cpu %, rss bytes; GPU memory used /
+        exit, restarts, host, lost_host (the host a ``lost`` rank was lost
+        with, else ""), health (cpu %, rss bytes; GPU memory used /
         total / peak bytes, util %, temp °C, power W: None = n/a), steps/s,
         the last ``mnb.log`` step and the last value of each metric."""
         now = time.monotonic()
         rows = []
         store = self._ctl.metrics
+        supervisor = self._ctl.supervisor
         for info in self._ctl.ranks:
+            lost = supervisor.lost_host(info.rank) if info.state == RankState.LOST else ""
             rows.append({
                 "rank": info.rank, "state": info.state.value, "pid": info.pid,
                 "incarnation": info.incarnation, "device": info.device,
                 "heartbeat_age": round(now - info.last_heartbeat, 2) if info.last_heartbeat else None,
                 "exit": self._ctl.describe_exit(info.exitcode)
-                if info.state in (RankState.DEAD, RankState.WAITING, RankState.FAILED) else "",
-                "restarts": info.incarnation, "host": info.host,
+                if info.state in (RankState.DEAD, RankState.WAITING, RankState.FAILED) else
+                (f"its host {lost} was lost" if lost else ""),
+                "restarts": info.incarnation, "host": info.host, "lost_host": lost,
                 **health_fields(info.health),
                 "steps_per_s": store.steps_per_s(info.rank, now), "step": store.last_step(info.rank),
                 "last": store.last(info.rank),

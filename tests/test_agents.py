@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 from monarch_nb import Mesh, MonarchError, UsageError
 from monarch_nb.procs import agentwire
+from monarch_nb.ui.status import format_status
 from monarch_nb.wire.protocol import Kind
 
 from .conftest import wait_for
@@ -284,6 +285,12 @@ def test_a_lost_host_without_a_spare_then_a_host_given_later(two_hosts: dict) ->
         died = [e for e in mesh.events if e["kind"] == "died" and e["rank"] in (2, 3)]
         assert all("host hB lost" in e["detail"] for e in died), died
         assert mesh.status()[2]["restarts"] == 0  # no restart budget spent on a host that is gone
+        # status and its table name the host: the dashboard shows the same (lost_host)
+        rows = mesh.status()
+        assert [(r["lost_host"], r["exit"]) for r in rows] == [("", ""), ("", "")] + [
+            ("hB", "its host hB was lost")] * 2, rows
+        assert "lost: host hB (rank 2,3): give the mesh a host, mesh.add_hosts('HOST'), then " \
+            "%monarch restart 2,3" in format_status(mesh), format_status(mesh)
         with pytest.raises(MonarchError, match=r"rank 2 is dead \(its host was lost\); .*"
                            r"mesh.add_hosts"):
             mesh.exec(ALL_REDUCE, timeout=30)
@@ -297,6 +304,8 @@ def test_a_lost_host_without_a_spare_then_a_host_given_later(two_hosts: dict) ->
         mesh.exec("import torch, torch.distributed as dist")
         assert mesh.exec(ALL_REDUCE, timeout=60) == dict.fromkeys(range(4), 4.0)
         assert mesh._ctl.supervisor.launcher.hosts() == ["hA", "hC"]  # type: ignore[attr-defined]
+        assert [r["lost_host"] for r in mesh.status()] == [""] * 4
+        assert "lost:" not in format_status(mesh)
     finally:
         mesh.stop()
 
@@ -310,6 +319,8 @@ def test_a_lost_host_with_a_spare_host_comes_back_there(two_hosts: dict) -> None
                              for s in mesh.status()[2:]), timeout=90, what="ranks 2,3 on hC")
         assert [s["state"] for s in mesh.status()[:2]] == ["ready", "ready"]
         assert mesh._ctl.supervisor.launcher.hosts() == ["hA", "hC"]  # type: ignore[attr-defined]
+        assert [r["lost_host"] for r in mesh.status()] == [""] * 4
+        assert "lost:" not in format_status(mesh)
         mesh.exec("import torch, torch.distributed as dist")  # (setup cells are replayed too)
         assert mesh.exec(ALL_REDUCE, timeout=60) == dict.fromkeys(range(4), 4.0)
         assert any("host hB lost" in e["detail"] for e in mesh.events if e["kind"] == "died")
@@ -412,6 +423,8 @@ def test_an_elastic_training_cell_survives_a_lost_host_on_a_spare(two_hosts: dic
             assert steps == 60
             assert all(torch.equal(a, b) for a, b in zip(params, clean[rank][0], strict=True)), rank
         assert mesh._ctl.supervisor.launcher.hosts() == ["hA", "hC"]  # type: ignore[attr-defined]
+        assert [r["lost_host"] for r in mesh.status()] == [""] * 4
+        assert "lost:" not in format_status(mesh)
         assert [s["incarnation"] for s in mesh.status()] == [0, 0, 1, 1]
     finally:
         mesh.stop()

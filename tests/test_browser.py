@@ -2,6 +2,8 @@
 chromium driven headless by Playwright, a notebook that starts 4 ranks and
 runs a logging loop. Asserts 4 tiles and a chart with points on the page,
 and saves the screenshot the README shows (docs/_static/dashboard.png, with MNB_SCREENSHOTS=1).
+The collectives badge and straggler marks the same way; a lost host's line
+with the page script alone, fed what the widget sends for a real mesh.
 
 Skipped only where chromium (or Playwright) is missing *and* this is not CI;
 in CI (``CI=true``) it runs, and fails if it cannot.
@@ -9,6 +11,7 @@ in CI (``CI=true``) it runs, and fails if it cannot.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import time
@@ -16,6 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from .conftest import wait_for
 from .lab_util import CHROMIUM, CHROMIUM_ARGS, ROOT, jupyter_lab, need_browser, screenshot_path
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(420)]
@@ -167,3 +171,74 @@ def test_collectives_badge_and_straggler_mark_in_jupyterlab(tmp_path: pathlib.Pa
         finally:
             flag.touch()
             browser.close()
+
+
+PAGE = """<!doctype html><html><body><script type="module">
+import dash from "/dashboard.js";
+// the widget host's side (anywidget): a model with a uid, custom messages in
+const handlers = [];
+const model = { get: (k) => (k === "uid" ? "u1" : null), on: (ev, fn) => handlers.push(fn),
+                send: () => {} };
+window.feed = (msg) => handlers.forEach((fn) => fn(msg));
+dash.initialize({ model });
+dash.render({ model, el: document.body });
+window.ready = true;
+</script></body></html>"""
+
+
+def test_the_dashboard_names_a_lost_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real mesh across two "hosts" (agents over ``sh -c``) loses one; the
+    feed the widget sends (dashfeed.Feed over mesh.status and events) is
+    played into the page script (ui/static/dashboard.js) in chromium: one
+    line names the host and its ranks above the tiles, gone once they are
+    back on another host."""
+    need_browser()
+    from playwright.sync_api import sync_playwright
+
+    from monarch_nb.ui.dashfeed import Feed
+
+    from .test_agents import _agent_of, _lose, _start
+
+    monkeypatch.setenv("MONARCH_NB_SSH", "sh -c")
+    script = (ROOT / "monarch_nb" / "ui" / "static" / "dashboard.js").read_text()
+    mesh = _start()
+    try:
+        feed = Feed(mesh.metrics, mesh.status, lambda: mesh.events)
+        first = feed.next()
+        _lose(_agent_of(mesh.run(os.getpid)[2]))
+        wait_for(lambda: [s["state"] for s in mesh.status()][2:] == ["lost", "lost"], timeout=30,
+                 what="ranks 2,3 lost with their host")
+        lost = feed.next()
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                         args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page()
+                errors: list[str] = []
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                page.route("http://mnb.test/", lambda r: r.fulfill(
+                    body=PAGE, content_type="text/html"))
+                page.route("http://mnb.test/dashboard.js", lambda r: r.fulfill(
+                    body=script, content_type="text/javascript"))
+                page.goto("http://mnb.test/")
+                page.wait_for_function("() => window.ready === true", timeout=30_000)
+                page.evaluate("(m) => window.feed(m)", first)
+                page.wait_for_selector(".mnb-tile[data-rank='3']", timeout=30_000)
+                assert not page.is_visible(".mnb-hosts")
+                page.evaluate("(m) => window.feed(m)", lost)
+                page.wait_for_selector(".mnb-hosts.on", timeout=30_000)
+                text = page.inner_text(".mnb-hosts")
+                assert "host hB lost with rank 2,3" in text, text
+                assert "mesh.add_hosts('HOST'), then %monarch restart 2,3" in text, text
+                assert page.get_attribute(".mnb-tile[data-rank='2']", "data-state") == "lost"
+                mesh.add_hosts("hC")
+                mesh.restart("2,3")
+                wait_for(lambda: all(s["state"] == "ready" for s in mesh.status()), timeout=90,
+                         what="ranks 2,3 back on hC")
+                page.evaluate("(m) => window.feed(m)", feed.next())
+                page.wait_for_selector(".mnb-hosts:not(.on)", state="attached", timeout=30_000)
+                assert not errors, errors
+            finally:
+                browser.close()
+    finally:
+        mesh.stop()

@@ -48,10 +48,22 @@ def format_status(mesh: Any) -> str:
     dead = [r["rank"] for r in rows if r["state"] in ("dead", "waiting")]
     if dead:
         lines.append(f"dead: rank {format_ranks(dead)}")
+    for host, ranks in lost_hosts(rows).items():
+        lines.append(f"lost: host {host} (rank {format_ranks(ranks)}): give the mesh a host, "
+                     f"mesh.add_hosts('HOST'), then %monarch restart {format_ranks(ranks)}")
     dropped = mesh.dropped
     if dropped:
         lines.append("dropped messages: " + ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))
     return "\n".join(lines)
 
 
-__all__ = ["format_status"]
+def lost_hosts(rows: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """The hosts lost with ranks still on them (``lost`` rows), and those ranks."""
+    out: dict[str, list[int]] = {}
+    for r in rows:
+        if r["state"] == "lost":
+            out.setdefault(r.get("lost_host") or "?", []).append(r["rank"])
+    return out
+
+
+__all__ = ["format_status", "lost_hosts"]

@@ -43,6 +43,10 @@ const CSS = `
 .mnb-badge.on { display: block; }
 .mnb-badge b { color: #c62828; }
 .mnb-badge div { font-family: monospace; font-size: 11px; white-space: pre-wrap; margin-top: 2px; }
+.mnb-hosts { display: none; margin: 0 0 6px 0; padding: 4px 8px; border-radius: 3px;
+  background: #fdecea; border: 1px solid #7f0000; color: #7f0000; }
+.mnb-hosts.on { display: block; }
+.mnb-hosts div { font-family: monospace; font-size: 11px; margin-top: 2px; }
 .mnb-slow { margin-left: 6px; padding: 0 4px; border-radius: 3px; background: #ef6c00;
   color: #fff; font-size: 10px; font-weight: 600; }
 `;
@@ -151,6 +155,7 @@ function render({ model, el }) {
     <div class="mnb-head"><span class="mnb-title"></span>
       <label>metric <select class="mnb-metric"></select></label>
       <span class="mnb-hint"></span></div>
+    <div class="mnb-hosts"></div>
     <div class="mnb-badge"></div>
     <div class="mnb-tiles"></div>
     <canvas class="mnb-chart"></canvas>
@@ -161,6 +166,7 @@ function render({ model, el }) {
   const hint = root.querySelector(".mnb-hint");
   const tilesEl = root.querySelector(".mnb-tiles");
   const badgeEl = root.querySelector(".mnb-badge");
+  const hostsEl = root.querySelector(".mnb-hosts");
   const canvas = root.querySelector(".mnb-chart");
   const eventsEl = root.querySelector(".mnb-events");
   let metric = null, chosen = null, drawn = -1, frame = 0;
@@ -200,6 +206,24 @@ function render({ model, el }) {
         div.innerHTML = head + lines.map((l) => `<div>${esc(l)}</div>`).join("");
       }
     }
+  }
+
+  function drawHosts() {
+    // lost hosts with ranks still on them (tiles "lost", their lost_host):
+    // one line per host, as %monarch status prints it
+    const lost = new Map();
+    for (const [rank, t] of [...data.tiles.entries()].sort((a, b) => a[0] - b[0])) {
+      if (t.state !== "lost") continue;
+      const host = t.lost_host || "?";
+      if (!lost.has(host)) lost.set(host, []);
+      lost.get(host).push(rank);
+    }
+    hostsEl.classList.toggle("on", lost.size > 0);
+    hostsEl.dataset.hosts = [...lost.keys()].join(",");
+    hostsEl.innerHTML = [...lost.entries()].map(([host, ranks]) =>
+      `<b>host ${esc(host)} lost</b> with rank ${esc(ranks.join(","))}` +
+      `<div>give the mesh a host: mesh.add_hosts('HOST'), then %monarch restart ${esc(ranks.join(","))}</div>`
+    ).join("");
   }
 
   function drawBadge() {
@@ -317,6 +341,7 @@ function render({ model, el }) {
     }
     if (metric !== null) select.value = metric;
     select.parentElement.style.display = data.names.length > 1 ? "" : "none";
+    drawHosts();
     drawBadge();
     drawTiles();
     drawChart();
