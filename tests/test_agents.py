@@ -153,6 +153,11 @@ def test_one_agent_per_host_and_a_killed_rank_comes_from_its_spare(two_hosts: di
         assert mesh.exec(ALL_REDUCE, timeout=60) == dict.fromkeys(range(4), 4.0)
         started = [e for e in mesh.events if e["rank"] == 3 and e["kind"] == "started"]
         assert started[-1]["incarnation"] == 1 and "from a spare" in started[-1]["detail"], started
+        # the dead process's routes and replay windows are gone, the new one's are there
+        io = mesh._ctl.io
+        assert set(io._relays) == {i for info in mesh._ctl.ranks
+                                   for i in (info.main_id, info.ctl_id)}, io._relays
+        assert not [w for w in mesh._ctl.codec._windows if w.startswith("r3.0.")]
         # its log came back through the agent, both incarnations
         text = "\n".join(mesh.logs(3, tail=20))
         assert "before the kill" in text and "killed by SIGKILL" in text, text

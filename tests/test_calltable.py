@@ -255,6 +255,7 @@ class _Supervisor:
 class _IO:
     sent: list[tuple[bytes, str]] = field(default_factory=list)
     frames: list[tuple[bytes, list[Any]]] = field(default_factory=list)
+    forgotten: list[bytes] = field(default_factory=list)  # ids of replaced processes
 
     def send(self, ident: bytes, frames: list[Any]) -> None:
         self.sent.append((ident, _peek_kind(frames)))
@@ -266,6 +267,9 @@ class _IO:
 
     def watch_fd(self, fd: int, fn: Any) -> None:
         pass
+
+    def forget(self, *idents: bytes) -> None:
+        self.forgotten += [i for i in idents if i]
 
     def call_soon(self, fn: Any) -> None:
         fn()

@@ -333,6 +333,10 @@ def test_killed_rank_is_respawned_into_a_new_group() -> None:
         assert mesh.exec("float(weights.sum())") == dict.fromkeys(range(3), 28.0)
         row = mesh.status()[1]
         assert row["state"] == "ready" and row["pid"] != old_pid and row["incarnation"] == 1
+        # the controller keeps no replay window of the process that died
+        windows = set(mesh._ctl.codec._windows)
+        assert {"r1.0." in w for w in windows} == {False} and any("r1.1." in w for w in windows), \
+            windows
         kinds = [(e["rank"], e["kind"]) for e in mesh.events]
         for expected in [(1, "died"), (1, "respawned"), (-1, "reformed")]:
             assert expected in kinds

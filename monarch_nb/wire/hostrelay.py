@@ -182,6 +182,8 @@ class Relay:
     def _forget(self, ident: bytes, link: Link) -> None:
         if self._links.get(ident) is link:
             del self._links[ident]
+            if self.folder is not None:  # its rank is gone: so is its replay window
+                self.folder.codec.forget(ident.decode(errors="replace"))
         if self._by_fd.pop(link.fd, None) is not None:
             try:
                 self._poller.unregister(link.fd)

@@ -239,6 +239,18 @@ class IOLoop:
             self._plans = {}
             self._agents[agent] -= 1
 
+    def forget(self, *idents: bytes) -> None:
+        """``idents`` were a process's that is gone for good (a rank's
+        earlier incarnation): its replay window, its route through an agent
+        and its cached name go, so a mesh that respawns ranks for days does
+        not grow. Its stragglers are dropped by the rank table (no rank has
+        these ids any more). Thread-safe."""
+        for ident in idents:
+            if ident:
+                self.detach_relay(ident)
+                name = self._idents.pop(ident, None)
+                self.codec.forget(name if name is not None else ident.decode(errors="replace"))
+
     @property
     def links(self) -> int:
         """How many local ranks are on links now."""

@@ -115,7 +115,10 @@ class Recovery:
     # -- processes ----------------------------------------------------------------
     def start_process(self, rank: int, incarnation: int) -> None:
         """A process for ``rank`` (forked on the spawner thread)."""
+        old = self.ranks[rank]
+        old_ids = (old.main_id, old.ctl_id)
         info = self.ranks.bind(rank, incarnation)
+        self.io.forget(*old_ids)  # the replaced process's windows and routes
         # a new process owes no answer to a REFORM sent to the one it replaces
         self.awaiting_reform.pop(rank, None)
         proc = self.supervisor.spawn(rank, incarnation, info.identity)
