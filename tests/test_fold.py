@@ -24,13 +24,13 @@ Real agents folding real ranks' results: tests/test_agents.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -38,11 +38,10 @@ from monarch_nb.errors import ProtocolError
 from monarch_nb.wire import serialize
 from monarch_nb.wire.fold import MAX_MEMBERS, Folder, pack_members, unpack_beats, unpack_members
 from monarch_nb.wire.protocol import Codec, Kind, Message, new_key
-from monarch_nb.wire.relay import pack_batch
-from monarch_nb.wire.transport import IOLoop
 
 from .conftest import wait_for
 from .test_assembler import Story
+from .test_relay import Loop
 
 KEY = new_key()
 AGENT = "agentA"
@@ -205,45 +204,11 @@ def test_any_beats_payload_is_heartbeats_or_a_protocol_error(data: bytes) -> Non
 
 
 # -- the controller's side, real sockets ----------------------------------------------------
-class Loop:
-    """An IOLoop with r0, r1 routed through agent A and r2 through B; the
-    folds and messages that reached it."""
-
-    def __init__(self) -> None:
-        self.codec = Codec(KEY, "controller")
-        self.got: list[tuple[bytes, Message]] = []
-        self.folds: list[tuple[list[bytes], Message]] = []
-        self.beats: list[dict[bytes, dict[str, Any]]] = []
-        self.io = IOLoop(self.codec, lambda ident, msg: self.got.append((ident, msg)),
-                         on_fold=lambda members, msg: self.folds.append((members, msg)),
-                         on_beats=self.beats.append)
-        self.io.start()
-        for rank, agent in ((b"r0.main", b"agentA"), (b"r1.main", b"agentA"),
-                            (b"r2.main", b"agentB"), (b"r0.ctl", b"agentA"),
-                            (b"r2.ctl", b"agentB")):
-            self.io.attach_relay(rank, agent)
-        self.ctx = zmq.Context()
-        self.agent = self.ctx.socket(zmq.DEALER)
-        self.agent.setsockopt(zmq.IDENTITY, b"agentA")
-        self.agent.connect(self.io.endpoint)
-
-    def close(self) -> None:
-        self.agent.close(linger=0)
-        self.ctx.term()
-        self.io.stop()
-
-    def batch(self, parts: list[tuple[bytes, list[Any]]]) -> None:
-        head = pack_batch([(i, len(f)) for i, f in parts])
-        self.agent.send_multipart([head, *[bytes(x) for _, f in parts for x in f]])
-
-
 @pytest.fixture
 def loop() -> Iterator[Loop]:
-    lp = Loop()
-    try:
+    """The relay tests' loop (tests/test_relay.py), with this module's key."""
+    with contextlib.closing(Loop(KEY)) as lp:
         yield lp
-    finally:
-        lp.close()
 
 
 def fold_of(members: list[bytes], signer: Codec, kind: Kind = Kind.FOLD) -> tuple[bytes, list[Any]]:

@@ -86,17 +86,24 @@ def test_packing_refuses_what_cannot_be_unpacked() -> None:
 
 # -- the controller's side, real sockets ----------------------------------------------------
 class Loop:
-    """An IOLoop with two ranks (r0, r1) routed through agent A, and what reached it."""
+    """An IOLoop with r0, r1 (main; r0 also control) routed through agent A
+    and r2 (main and control) through agent B, agent A's DEALER, and what
+    reached the loop: rank messages, folds and BEATS (tests/test_fold.py)."""
 
-    def __init__(self) -> None:
-        self.key = new_key()
+    def __init__(self, key: bytes | None = None) -> None:
+        self.key = key if key is not None else new_key()
         self.codec = Codec(self.key, "controller")
         self.got: list[tuple[bytes, Message]] = []
-        self.io = IOLoop(self.codec, lambda ident, msg: self.got.append((ident, msg)))
+        self.folds: list[tuple[list[bytes], Message]] = []
+        self.beats: list[dict[bytes, dict[str, Any]]] = []
+        self.io = IOLoop(self.codec, lambda ident, msg: self.got.append((ident, msg)),
+                         on_fold=lambda members, msg: self.folds.append((members, msg)),
+                         on_beats=self.beats.append)
         self.io.start()
-        self.io.attach_relay(b"r0.main", b"agentA")
-        self.io.attach_relay(b"r1.main", b"agentA")
-        self.io.attach_relay(b"r2.main", b"agentB")
+        for rank, agent in ((b"r0.main", b"agentA"), (b"r1.main", b"agentA"),
+                            (b"r2.main", b"agentB"), (b"r0.ctl", b"agentA"),
+                            (b"r2.ctl", b"agentB")):
+            self.io.attach_relay(rank, agent)
         self.ctx = zmq.Context()
         self.agent = self.ctx.socket(zmq.DEALER)
         self.agent.setsockopt(zmq.IDENTITY, b"agentA")
