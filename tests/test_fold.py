@@ -36,7 +36,14 @@ from hypothesis import strategies as st
 
 from monarch_nb.errors import ProtocolError
 from monarch_nb.wire import serialize
-from monarch_nb.wire.fold import MAX_MEMBERS, Folder, pack_members, unpack_beats, unpack_members
+from monarch_nb.wire.fold import (
+    MAX_MEMBERS,
+    Entry,
+    Folder,
+    pack_members,
+    unpack_beats,
+    unpack_members,
+)
 from monarch_nb.wire.protocol import Codec, Kind, Message, new_key
 
 from .conftest import wait_for
@@ -76,8 +83,8 @@ def unfold(entries: list[tuple[bytes, Any]], controller: Codec) -> list[tuple[st
 def test_equal_plain_results_fold_into_one_message_in_the_first_ones_place() -> None:
     folder = Folder(KEY, AGENT)
     beat = (b"r2.ctl", CODECS["r2.ctl"].sign(Kind.HEARTBEAT, meta={"busy": 0}))
-    batch = [beat, result("r0.main", 5, 7), result("r1.main", 5), result("r2.main", 5, 7),
-             result("r3.main", 5, 7)]
+    batch: list[Entry] = [beat, result("r0.main", 5, 7), result("r1.main", 5),
+                          result("r2.main", 5, 7), result("r3.main", 5, 7)]
     out = folder.fold(batch)
     assert len(out) == 3 and out[0] == beat and out[2] == batch[2], out  # None: its own
     ident, frames = out[1]
@@ -92,7 +99,7 @@ def test_what_is_not_a_plain_equal_result_passes_through_as_it_came() -> None:
     folder = Folder(KEY, AGENT)
     forged = (b"r3.main", [bytes(f) for f in Codec(new_key(), "r3.main").sign(
         Kind.RESULT, [], call=5)])
-    batch = [
+    batch: list[Entry] = [
         result("r0.main", 5, meta={"n_out": 1}),  # output went before it
         result("r1.main", 5, meta={"ok": False, "error": {"type": "E", "msg": "", "tb": ""}}),
         result("r2.main", 6),  # another call
