@@ -318,25 +318,36 @@ def _path_to(target: RankState) -> list[RankState]:
     return path[::-1]
 
 
-def test_every_allowed_move_is_reachable_and_every_other_one_refused() -> None:
-    """Walk the transition table through RankTable.move only: every state is
+@pytest.mark.parametrize("many", [False, True], ids=["move", "move_many"])
+def test_every_allowed_move_is_reachable_and_every_other_one_refused(many: bool) -> None:
+    """Walk the transition table through RankTable.move (or move_many, a
+    call's moves, with a rank already there beside it) only: every state is
     reached from a rank's first process, every allowed move made, every
     other one refused (and leaves the state as it was)."""
     made = refused = 0
     for frm in RankState:
         for to in RankState:
-            t = RankTable(1)
+            t = RankTable(2)
             for step in _path_to(frm):
                 t.move(0, step)
+            for step in _path_to(to):
+                t.move(1, step)
             assert t[0].state is frm
+
+            def move() -> None:
+                if many:
+                    t.move_many([1, 0], to)
+                else:
+                    t.move(0, to)
+
             if to in TRANSITIONS[frm] or to is frm:
-                t.move(0, to)
+                move()
                 assert t[0].state is to
                 made += 1
             else:
-                with pytest.raises(IllegalTransition):
-                    t.move(0, to)
-                assert t[0].state is frm
+                with pytest.raises(IllegalTransition) as refusal:
+                    move()
+                assert t[0].state is frm and refusal.value.rank == 0
                 refused += 1
     assert made == sum(len(v) for v in TRANSITIONS.values()) + len(RankState)
     assert made + refused == len(RankState) ** 2

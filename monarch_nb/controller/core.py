@@ -354,9 +354,9 @@ class Controller:
             for rank in ranks:
                 inspector.release_focus(call.call_id, rank)
         table, busy, alone = self.ranks, self.calls.busy, len(self.calls) <= 1
-        for rank in ranks:  # idle again unless another call waits for it
-            if table[rank].state is RankState.BUSY and (alone or not busy(rank)):
-                table.move(rank, RankState.READY)
+        # idle again unless another call waits for it
+        table.move_many([rank for rank in ranks if table[rank].state is RankState.BUSY
+                         and (alone or not busy(rank))], RankState.READY)
 
     def _call_finished(self, call: PendingCall) -> None:
         self.dataplane.release(call.call_id)  # every rank answered: they mapped it

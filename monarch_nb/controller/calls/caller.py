@@ -246,9 +246,7 @@ class Caller:
 
     def _sent(self, call: PendingCall, ranks: tuple[int, ...]) -> None:
         self.calls.sent(call)
-        move = self.ranks.move
-        for r in ranks:
-            move(r, RankState.BUSY)
+        self.ranks.move_many(ranks, RankState.BUSY)
 
     def interrupt(self, call_id: int) -> None:
         """Interrupt the ranks still running ``call_id`` (thread-safe); their

@@ -2,7 +2,8 @@
 current process, the group's generation, and the only way to change them.
 
 A record (:class:`RankInfo`) says what the controller knows of a rank's
-current process. :meth:`RankTable.move` is the one place its state changes,
+current process. :meth:`RankTable.move` (and :meth:`RankTable.move_many`,
+the same for many ranks) is the one place its state changes,
 checked against the transition table (rankstates.py); a rank's incarnation
 and host change with its respawn (:meth:`RankTable.respawning`), the
 generation with a re-formation (:meth:`RankTable.reformed`): each only
@@ -22,13 +23,13 @@ import secrets
 import signal as signal_mod
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import no_free_port
 from .events import Event, EventKind
-from .rankstates import GONE, LIVE, WAIT_FOR, RankState, check
+from .rankstates import GONE, LIVE, TRANSITIONS, WAIT_FOR, RankState, check
 
 
 @dataclass
@@ -92,6 +93,18 @@ class RankTable:
         if info.state is not to:
             check(rank, info.state, to)
             info.state = to
+
+    def move_many(self, ranks: Iterable[int], to: RankState) -> None:
+        """:meth:`move` for each of ``ranks`` (a call's, sent or answered:
+        one loop, where a thousand ranks made a thousand calls)."""
+        table, allowed = self._ranks, TRANSITIONS
+        for rank in ranks:
+            info = table[rank]
+            frm = info.state
+            if frm is not to:
+                if to not in allowed[frm]:
+                    check(rank, frm, to)  # raises
+                info.state = to
 
     # -- the one answer to "is it coming back?" --------------------------------------
     def coming_back(self, rank: int) -> bool:
