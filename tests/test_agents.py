@@ -155,8 +155,8 @@ def test_one_agent_per_host_and_a_killed_rank_comes_from_its_spare(two_hosts: di
         assert started[-1]["incarnation"] == 1 and "from a spare" in started[-1]["detail"], started
         # the dead process's routes and replay windows are gone, the new one's are there
         io = mesh._ctl.io
-        assert set(io._relays) == {i for info in mesh._ctl.ranks
-                                   for i in (info.main_id, info.ctl_id)}, io._relays
+        assert set(io.routes) == {i for info in mesh._ctl.ranks
+                                  for i in (info.main_id, info.ctl_id)}, set(io.routes)
         assert not [w for w in mesh._ctl.codec._windows if w.startswith("r3.0.")]
         # its log came back through the agent, both incarnations
         text = "\n".join(mesh.logs(3, tail=20))
@@ -176,8 +176,8 @@ def test_output_stacks_interrupts_and_heartbeats_go_through_the_agents(two_hosts
     mesh = _start()
     try:
         io = mesh._ctl.io
-        assert set(io._relays) == {i for info in mesh._ctl.ranks
-                                   for i in (info.main_id, info.ctl_id)}, io._relays
+        assert set(io.routes) == {i for info in mesh._ctl.ranks
+                                  for i in (info.main_id, info.ctl_id)}, set(io.routes)
         # no rank has a connection of its own to the controller; each agent has one
         port = int(io.endpoint.rsplit(":", 1)[1])
 

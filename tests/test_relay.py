@@ -40,6 +40,7 @@ from monarch_nb.wire.relay import (
     unpack_batch,
     unpack_fanout,
 )
+from monarch_nb.wire.routes import Routes
 from monarch_nb.wire.transport import IOLoop
 
 from .conftest import wait_for
@@ -82,6 +83,26 @@ def test_packing_refuses_what_cannot_be_unpacked() -> None:
     for bad_entries in ([], [(b"r", 0)], [(b"", 1)], [(b"r", 0x10000)]):
         with pytest.raises(ValueError):
             pack_batch(bad_entries)
+
+
+def test_routes_plan_one_fanout_per_agent_and_follow_every_change() -> None:
+    routes = Routes()
+    assert not routes and routes.plan([b"a", b"b"]) == ([], [b"a", b"b"])
+    routes.attach(b"r0", b"A")
+    routes.attach(b"r1", b"B")
+    routes.attach(b"r2", b"A")
+    fanouts, rest = routes.plan([b"r0", b"r1", b"local", b"r2"])
+    assert [(agent, unpack_fanout(h)) for agent, h in fanouts] == [
+        (b"A", [b"r0", b"r2"]), (b"B", [b"r1"])] and rest == [b"local"]
+    routes.attach(b"r1", b"A")  # its host moved (a spare host): the next plan says so
+    assert [(a, unpack_fanout(h)) for a, h in routes.plan([b"r0", b"r1"])[0]] == [
+        (b"A", [b"r0", b"r1"])]
+    routes.check(b"A", [b"r0", b"r1"])
+    routes.detach(b"r1")  # its process is gone: nobody speaks for it
+    assert routes.plan([b"r0", b"r1"])[1] == [b"r1"]
+    with pytest.raises(ProtocolError, match="relay-foreign"):
+        routes.check(b"A", [b"r0", b"r1"])
+    assert set(routes) == {b"r0", b"r2"} and routes.agents == {b"A", b"B"}
 
 
 # -- the controller's side, real sockets ----------------------------------------------------

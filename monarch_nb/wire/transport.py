@@ -51,14 +51,12 @@ from .endpoints import ZAP_ENDPOINT, CurveKeys, bind_host
 from .fold import unpack_beats, unpack_members
 from .link import DROPPED, Link
 from .protocol import Codec, Kind, Message
-from .relay import pack_fanout, unpack_batch
+from .relay import unpack_batch
+from .routes import Routes
 
 log = logging.getLogger(__name__)
 
 MessageHandler = Callable[[bytes, Message], None]
-# a set of ranks' fan-outs: (agent, fan-out header) each, and the ranks behind none
-_Plan = tuple[list[tuple[bytes, bytes]], list[bytes]]
-_MAX_PLANS = 64
 # a host agent's fold (fold.py): the ranks' main ids, the verified FOLD
 FoldHandler = Callable[[list[bytes], Message], None]
 # a host agent's BEATS (fold.py): each rank's control id and its heartbeat's meta
@@ -134,19 +132,10 @@ class IOLoop:
         # first is written by any thread (a dict store), read by the leader.
         self._links: dict[bytes, Link] = {}
         self._link_fds: dict[int, tuple[bytes, Link]] = {}
-        # Remote ranks behind a host agent (relay.py): a rank's main id ->
-        # its agent's routing id, and the agents. Written by any thread (dict
-        # stores), read by the leader.
-        self._relays: dict[bytes, bytes] = {}
-        self._agents: dict[bytes, int] = {}  # agent id -> ranks routed through it
-        # the fan-outs of a set of ranks (a call's), kept while the routes
-        # hold: a mesh calls the same ranks again and again (replaced whole
-        # by attach/detach, never changed in place)
-        self._plans: dict[tuple[bytes, ...], _Plan] = {}
-        # messages sent to agents ("fan-outs"), batches from them, messages in
-        # those, the folds among them (fold.py), the results they carried and
-        # the heartbeats that came in BEATS
-        self.relayed: collections.Counter[str] = collections.Counter()
+        # Remote ranks behind a host agent (routes.py, relay.py): written by
+        # any thread, read by the leader.
+        self.routes = Routes()
+        self.relayed = self.routes.counts  # (what went through agents, by kind)
         self.max_message_bytes = max_message_bytes
         # Pidfds and links (one each per rank) wait in one epoll set, which
         # is a single entry of ZeroMQ's poll: zmq_poll walks every entry on
@@ -223,21 +212,11 @@ class IOLoop:
         host for a call to several of its ranks, and ``agent`` may relay
         messages signed by ``ident`` (relay.py). Thread-safe; call it before
         the rank is started, so its first message is expected."""
-        old = self._relays.get(ident)
-        if old == agent:
-            return
-        self._relays[ident] = agent
-        self._plans = {}
-        self._agents[agent] = self._agents.get(agent, 0) + 1
-        if old is not None:
-            self._agents[old] -= 1
+        self.routes.attach(ident, agent)
 
     def detach_relay(self, ident: bytes) -> None:
         """``ident``'s process is gone: its agent may no longer speak for it."""
-        agent = self._relays.pop(ident, None)
-        if agent is not None:
-            self._plans = {}
-            self._agents[agent] -= 1
+        self.routes.detach(ident)
 
     def forget(self, *idents: bytes) -> None:
         """``idents`` were a process's that is gone for good (a rank's
@@ -346,7 +325,7 @@ class IOLoop:
         last = len(frames) - 1
         links = self._links
         small: list[bool] | None = None
-        if self._relays:
+        if self.routes:
             idents = self._send_relayed(idents, frames)
         for ident in idents:
             if links:
@@ -367,14 +346,7 @@ class IOLoop:
     def _send_relayed(self, idents: Sequence[bytes], frames: Sequence[Any]) -> Sequence[bytes]:
         """Send to the ranks of ``idents`` behind host agents, one message
         per agent (relay.py); the others are left to the caller."""
-        plans, key = self._plans, tuple(idents)
-        plan = plans.get(key)
-        if plan is None:
-            plan = self._plan(key)
-            if len(plans) >= _MAX_PLANS:
-                plans.clear()
-            plans[key] = plan
-        fanouts, rest = plan
+        fanouts, rest = self.routes.plan(idents)
         if fanouts:
             small = [isinstance(f, bytes) or memoryview(f).nbytes < _COPY_BELOW for f in frames]
             last = len(frames) - 1
@@ -390,20 +362,6 @@ class IOLoop:
                     log.debug("send to agent %r failed: %s", agent, exc)
         return rest
 
-    def _plan(self, idents: tuple[bytes, ...]) -> _Plan:
-        """Each agent's fan-out header for ``idents``, and the ranks of them
-        that are not behind one."""
-        relays = self._relays
-        by_agent: dict[bytes, list[bytes]] = {}
-        rest = []
-        for ident in idents:
-            agent = relays.get(ident)
-            if agent is None:
-                rest.append(ident)
-            else:
-                by_agent.setdefault(agent, []).append(ident)
-        return [(agent, pack_fanout(members)) for agent, members in by_agent.items()], rest
-
     def _deliver_batch(self, agent: bytes, frames: list[Any]) -> None:
         """A host agent's batch: each message in it verified as sent by its
         rank, which must be one of this agent's (relay.py)."""
@@ -414,13 +372,13 @@ class IOLoop:
             return
         self.relayed["batches"] += 1
         self.relayed["messages"] += len(entries)
-        relays, at = self._relays, 1
+        agent_of, at = self.routes.agent_of, 1
         for ident, n in entries:
             part, at = frames[at:at + n], at + n
             if ident == agent:  # the agent's own: a fold of its ranks' results
                 self._deliver_fold(agent, part)
                 continue
-            if relays.get(ident) != agent:
+            if agent_of(ident) != agent:
                 self._drop(agent, ProtocolError("relay-foreign",
                                                 f"{ident[:64]!r} is not a rank of this agent"))
                 continue
@@ -441,11 +399,7 @@ class IOLoop:
                 members = list(beats)
             else:
                 raise ProtocolError("relay-kind", f"an agent sends folds and beats, not {kind.value}")
-            relays = self._relays
-            for ident in members:
-                if relays.get(ident) != agent:
-                    raise ProtocolError("relay-foreign",
-                                        f"{ident[:64]!r} is not a rank of this agent")
+            self.routes.check(agent, members)
         except Exception as exc:
             self._drop(agent, exc)
             return
@@ -551,7 +505,7 @@ class IOLoop:
 
     def _drain_router(self, until: Callable[[], bool] | None = None) -> None:
         recv, deliver = self.router.recv, self._deliver
-        idents = self._idents
+        idents, agents = self._idents, self.routes.agents
         # Bounded so commands and ticks are not starved. Frames are read one
         # by one because a Frame knows whether more follow: recv_multipart
         # asks the socket with a getsockopt per frame, and pyzmq's
@@ -571,7 +525,7 @@ class IOLoop:
             while frame.more:
                 frame = recv(0, copy=False)
                 frames.append(frame)
-            if self._agents and ident in self._agents:
+            if agents and ident in agents:
                 self._deliver_batch(ident, frames)
                 if until is not None and until():
                     return
