@@ -252,12 +252,14 @@ def test_beats_are_delivered_for_the_agents_ranks_only(loop: Loop) -> None:
     loop.batch([beats(json.dumps({"r0.ctl": meta, "r2.ctl": meta}).encode()),  # r2: B's
                 beats(b"{not json"),
                 beats(json.dumps({"r0.ctl": {"busy": "x"}}).encode()),  # off the schema
-                beats(json.dumps({"r0.ctl": meta}).encode())])
-    wait_for(lambda: loop.beats, what="the good BEATS")
+                beats(json.dumps({"r0.ctl": meta}).encode()),
+                # r9: an id no agent relays any more (a replaced process's): left out
+                beats(json.dumps({"r9.ctl": meta, "r0.ctl": meta}).encode())])
+    wait_for(lambda: len(loop.beats) == 2, what="the good BEATS")
     wait_for(lambda: sum(loop.io.dropped.values()) == 3, what="three dropped")
-    assert loop.beats == [{b"r0.ctl": meta}]
+    assert loop.beats == [{b"r0.ctl": meta}, {b"r0.ctl": meta}]
     assert loop.io.dropped == {"relay-foreign": 1, "malformed": 2}, loop.io.dropped
-    assert loop.io.relayed["beats"] == 1
+    assert loop.io.relayed["beats"] == 2 and loop.io.relayed["stale"] == 1
 
 
 # -- the assembler ----------------------------------------------------------------------------

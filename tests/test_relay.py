@@ -97,12 +97,15 @@ def test_routes_plan_one_fanout_per_agent_and_follow_every_change() -> None:
     routes.attach(b"r1", b"A")  # its host moved (a spare host): the next plan says so
     assert [(a, unpack_fanout(h)) for a, h in routes.plan([b"r0", b"r1"])[0]] == [
         (b"A", [b"r0", b"r1"])]
-    routes.check(b"A", [b"r0", b"r1"])
+    assert routes.own(b"A", [b"r0", b"r1"]) == [b"r0", b"r1"]
     routes.detach(b"r1")  # its process is gone: nobody speaks for it
     assert routes.plan([b"r0", b"r1"])[1] == [b"r1"]
+    # its agent's late word for it is a straggler, left out; another agent's rank is not
+    assert routes.own(b"A", [b"r0", b"r1"]) == [b"r0"] and routes.counts["stale"] == 1
+    routes.attach(b"r3", b"B")
     with pytest.raises(ProtocolError, match="relay-foreign"):
-        routes.check(b"A", [b"r0", b"r1"])
-    assert set(routes) == {b"r0", b"r2"} and routes.agents == {b"A", b"B"}
+        routes.own(b"A", [b"r0", b"r3"])
+    assert set(routes) == {b"r0", b"r2", b"r3"} and routes.agents == {b"A", b"B"}
 
 
 # -- the controller's side, real sockets ----------------------------------------------------

@@ -144,6 +144,7 @@ NODE_DOWN_DRIVER = """
         print("killed", mesh.run(node, timeout=90))
         print("steps", len(before), len(steps()), before == steps())
         # node n2 goes down: marked down, and everything it ran killed
+        inc = mesh.status()[1]["incarnation"]
         subprocess.run(["scontrol", "update", "nodename=n2", "state=down", "reason=test"],
                        check=True)
         for p in psutil.process_iter():
@@ -153,8 +154,11 @@ NODE_DOWN_DRIVER = """
                     p.kill()
             except psutil.Error:
                 pass
+        # back once a new process of rank 1 is ready (right after the kill the
+        # old one may still read "ready": its death is not seen yet)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and mesh.status()[1]["state"] != "ready":
+        while time.monotonic() < deadline and not (
+                mesh.status()[1]["incarnation"] > inc and mesh.status()[1]["state"] == "ready"):
             time.sleep(0.2)
         print("moved", mesh.run(node, timeout=90))
         print("events", [e["detail"] for e in mesh.events if e["rank"] == 1 and e["kind"] == "died"])

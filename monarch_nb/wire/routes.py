@@ -36,8 +36,8 @@ class Routes:
         # the fan-outs of a set of ranks (a call's), kept while the routes hold
         self._plans: dict[tuple[bytes, ...], Plan] = {}
         # messages sent to agents ("fan-outs"), batches from them, messages in
-        # those, the folds among them (fold.py), the results they carried and
-        # the heartbeats that came in BEATS
+        # those, the folds among them (fold.py), the results they carried, the
+        # heartbeats that came in BEATS, and earlier incarnations' stragglers
         self.counts: collections.Counter[str] = collections.Counter()
 
     def __bool__(self) -> bool:
@@ -87,13 +87,23 @@ class Routes:
             plans[key] = plan
         return plan
 
-    def check(self, agent: bytes, idents: Sequence[bytes]) -> None:
-        """ProtocolError("relay-foreign") unless ``agent`` relays for every
-        one of ``idents``."""
+    def own(self, agent: bytes, idents: Sequence[bytes]) -> list[bytes]:
+        """Those of ``idents`` that ``agent`` relays for; ProtocolError
+        ("relay-foreign") if one is another agent's. An id that no agent
+        relays any more (an earlier incarnation's: forgotten when its rank
+        got a new process) is left out, counted as "stale": a straggler the
+        agent sent before it knew, not a forgery."""
         agent_of = self._agent_of
+        own = []
         for ident in idents:
-            if agent_of.get(ident) != agent:
+            relay = agent_of.get(ident)
+            if relay == agent:
+                own.append(ident)
+            elif relay is None:
+                self.counts["stale"] += 1
+            else:
                 raise ProtocolError("relay-foreign", f"{ident[:64]!r} is not a rank of this agent")
+        return own
 
 
 __all__ = ["MAX_PLANS", "Plan", "Routes"]

@@ -378,9 +378,13 @@ class IOLoop:
             if ident == agent:  # the agent's own: a fold of its ranks' results
                 self._deliver_fold(agent, part)
                 continue
-            if agent_of(ident) != agent:
-                self._drop(agent, ProtocolError("relay-foreign",
-                                                f"{ident[:64]!r} is not a rank of this agent"))
+            relay = agent_of(ident)
+            if relay != agent:
+                if relay is None:  # an earlier incarnation's straggler (IOLoop.forget)
+                    self.relayed["stale"] += 1
+                else:
+                    self._drop(agent, ProtocolError(
+                        "relay-foreign", f"{ident[:64]!r} is not a rank of this agent"))
                 continue
             self._deliver(ident, self._ident_str(ident), part)
 
@@ -392,16 +396,19 @@ class IOLoop:
             msg = self.codec.verify(frames, expected_sender=self._ident_str(agent))
             kind = msg.kind
             if kind is Kind.FOLD and self._on_fold is not None and msg.payload:
-                members = unpack_members(msg.payload[0])
+                members = self.routes.own(agent, unpack_members(msg.payload[0]))
                 beats = None
             elif kind is Kind.BEATS and self._on_beats is not None and len(msg.payload) == 1:
                 beats = unpack_beats(msg.payload[0])
-                members = list(beats)
+                members = self.routes.own(agent, list(beats))
+                if len(members) < len(beats):
+                    beats = {ident: beats[ident] for ident in members}
             else:
                 raise ProtocolError("relay-kind", f"an agent sends folds and beats, not {kind.value}")
-            self.routes.check(agent, members)
         except Exception as exc:
             self._drop(agent, exc)
+            return
+        if not members:
             return
         try:
             if beats is not None:
