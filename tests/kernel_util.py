@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ class CellResult:
     error: dict[str, Any] | None = None
     status: str = ""
     prompts: list[str] = field(default_factory=list)  # input requests answered
+    asking: bool = False  # an input request waits for its answer
 
     @property
     def traceback(self) -> str:
@@ -34,6 +36,11 @@ class CellResult:
     @property
     def text(self) -> str:
         return self.stdout + self.stderr + "".join(self.results) + "".join(self.displays)
+
+
+# An answer typed into an input request: a line, or a function of what the
+# cell printed so far that gives the line once it can be typed (None: not yet).
+Answer = str | Callable[[CellResult], str | None]
 
 
 class KernelSession:
@@ -50,10 +57,11 @@ class KernelSession:
         return self.kc.execute(code, allow_stdin=allow_stdin)
 
     def collect(self, msg_id: str, timeout: float = 120.0,
-                answers: list[str] | None = None) -> CellResult:
+                answers: list[Answer] | None = None) -> CellResult:
         """Output of cell ``msg_id`` until the kernel is idle. ``answers``
         are typed, in order, into input requests (pdb prompts), the way a
-        user types into the notebook's input box."""
+        user types into the notebook's input box; a callable answer is typed
+        once it returns a line (the user waits until they see something)."""
         res = CellResult(msg_id)
         deadline = time.monotonic() + timeout
         pending = list(answers or [])
@@ -85,20 +93,30 @@ class KernelSession:
             if reply["parent_header"].get("msg_id") == msg_id:
                 return str(reply["content"]["status"])
 
-    def run(self, code: str, timeout: float = 120.0, answers: list[str] | None = None) -> CellResult:
+    def run(self, code: str, timeout: float = 120.0,
+            answers: list[Answer] | None = None) -> CellResult:
         return self.collect(self.execute(code, allow_stdin=answers is not None), timeout, answers)
 
-    def _answer_input(self, res: CellResult, pending: list[str]) -> None:
-        try:
-            msg = self.kc.get_stdin_msg(timeout=0.01)
-        except queue.Empty:
-            return
-        if msg["msg_type"] != "input_request":
-            return
-        res.prompts.append(msg["content"]["prompt"])
+    def _answer_input(self, res: CellResult, pending: list[Answer]) -> None:
+        if not res.asking:
+            try:
+                msg = self.kc.get_stdin_msg(timeout=0.01)
+            except queue.Empty:
+                return
+            if msg["msg_type"] != "input_request":
+                return
+            res.prompts.append(msg["content"]["prompt"])
+            res.asking = True
         # Out of answers: continue (the test sees it in res.prompts) rather
         # than leave the kernel blocked in input() for the rest of the module.
-        self.kc.input(pending.pop(0) if pending else "c")
+        answer = pending[0] if pending else "c"
+        line = answer(res) if callable(answer) else answer
+        if line is None:
+            return  # asked again after more output
+        if pending:
+            pending.pop(0)
+        res.asking = False
+        self.kc.input(line)
 
     @staticmethod
     def _apply(res: CellResult, msg: dict[str, Any]) -> None:

@@ -408,6 +408,12 @@ train()
 """
 
 
+def _step(progress: Path) -> int:
+    """The step rank 0 wrote last; 0 before it writes (or while it writes)."""
+    text = progress.read_text() if progress.exists() else ""
+    return int(text) if text.isdigit() else 0
+
+
 def test_an_elastic_training_cell_survives_a_lost_host_on_a_spare(two_hosts: dict,
                                                                   tmp_path: Path) -> None:
     import torch
@@ -419,8 +425,7 @@ def test_an_elastic_training_cell_survives_a_lost_host_on_a_spare(two_hosts: dic
         clean = mesh.exec(cell.replace("PAUSE", "0"), elastic=True, timeout=300)
         progress.unlink()
         future = mesh.exec(cell.replace("PAUSE", "0.05"), elastic=True, block=False)
-        wait_for(lambda: progress.exists() and progress.read_text().isdigit()
-                 and int(progress.read_text()) >= 20, timeout=120, what="step 20")
+        wait_for(lambda: _step(progress) >= 20, timeout=120, what="step 20")
         _lose(_agent_of(mesh.status()[3]["pid"]))
         faulted = future.result(timeout=300)
         for rank in range(4):  # the same model as the unfaulted run, every step done

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from .conftest import wait_for, worker_pids
-from .kernel_util import MAGICS, KernelSession, kernel_with_mesh
+from .kernel_util import MAGICS, CellResult, KernelSession, kernel_with_mesh
 
 pytestmark = pytest.mark.kernel
 
@@ -56,7 +56,13 @@ def test_breakpoint_is_stepped_through_and_continued(ks: KernelSession) -> None:
             "a = a + 1\n"
             "a = a * 2\n"
             "a\n")
-    r = ks.run(cell, answers=["p a", "n", "n", "p a", "c", "p a", "c"])
+    # The first rank continues once the cell says the other stopped too:
+    # when its breakpoint comes is up to the machine's load.
+    def noted(res: CellResult) -> str | None:
+        told = "also stopped" in res.stderr or "stopped in the debugger too" in res.stderr
+        return "c" if told else None
+
+    r = ks.run(cell, answers=["p a", "n", "n", "p a", noted, "p a", "c"])
     assert r.status == "ok", r
     first = r.prompts[0]
     assert first in ("[rank 0] (Pdb) ", "[rank 2] (Pdb) ")
