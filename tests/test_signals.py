@@ -10,6 +10,7 @@ outlives the launcher. The option parsing is tested without processes.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,9 +67,15 @@ def _start(tmp_path: Path, body: str, *args: str) -> tuple[subprocess.Popen[byte
 
 
 def _rank_pids(out: Path) -> list[int]:
+    """Each rank's pid, in rank order ("[1] pid 13425": the ranks print in
+    whatever order they get there)."""
     text = str(wait_for(lambda: out.read_text().count("] pid ") >= 2 and out.read_text(),
                         timeout=60, what="both ranks running the script"))
-    return [int(line.split()[-1]) for line in text.splitlines() if "] pid " in line]
+    found = dict(_PID_LINE.findall(text))
+    return [int(found[str(r)]) for r in range(len(found))]
+
+
+_PID_LINE = re.compile(r"^\[(\d+)\] pid (\d+)$", re.M)
 
 
 def _gone(pids: list[int]) -> list[int]:
