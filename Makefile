@@ -70,15 +70,30 @@ $(TORCH_STAMP):
 	fi
 	@touch $@
 
+# An editable install of the package with the extra $(1). Without build isolation
+# when the venv has the build requirements (an isolated build installs jupyterlab
+# into a throwaway venv first, ~20 s); $(2) = reqs installs them first (the dev
+# extra has them anyway). scripts/build_requires.py reads them from pyproject.toml.
+define install_editable
+	@if [ "$(2)" = reqs ]; then \
+		reqs="$$($(PY) scripts/build_requires.py)"; \
+		[ -z "$$reqs" ] || $(PIP) install --quiet $$reqs; \
+	fi; \
+	if $(PY) scripts/build_requires.py --missing >/dev/null; then \
+		$(PIP) install --quiet --no-build-isolation -e '.[$(1)]'; \
+	else \
+		$(PIP) install --quiet -e '.[$(1)]'; \
+	fi
+	@touch $@
+endef
+
 # The dev venv: re-run only when pyproject.toml changes (or the venv is new).
 $(STAMP): pyproject.toml $(TORCH_STAMP)
-	$(PIP) install --quiet -e '.[dev]'
-	@touch $@
+	$(call install_editable,dev,reqs)
 
 # The demo needs only the package and a notebook runner (the `demo` extra).
 $(DEMO_STAMP): pyproject.toml $(TORCH_STAMP)
-	$(PIP) install --quiet -e '.[demo]'
-	@touch $@
+	$(call install_editable,demo)
 
 # Two pytest-xdist workers, a test file at a time each: the tests mostly wait
 # on rank processes, so a second worker uses the other core (tests/conftest.py).
@@ -106,8 +121,7 @@ demo: $(DEMO_STAMP)
 # The documentation site (docs/, Sphinx): warnings are errors, as in CI;
 # `make docs` also checks every internal link and reference.
 $(DOCS_STAMP): pyproject.toml $(TORCH_STAMP)
-	$(PIP) install --quiet -e '.[docs]'
-	@touch $@
+	$(call install_editable,docs)
 
 docs: $(DOCS_STAMP)
 	$(PY) -m sphinx -b html -W --keep-going docs docs/_build/html
@@ -140,8 +154,7 @@ lab: extension
 	$(PY) -m jupyter lab notebooks/
 
 $(BENCH_STAMP): pyproject.toml $(STAMP)
-	$(PIP) install --quiet -e '.[bench]'
-	@touch $@
+	$(call install_editable,bench)
 
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/run.py

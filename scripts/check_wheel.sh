@@ -28,25 +28,8 @@ step "build sdist and wheel into $work/dist"
 isolation=()
 if [ "${ISOLATED:-0}" != 1 ]; then
   # build's own check: every build-system.requires entry installed in BUILD_PY's env
-  "$BUILD_PY" - <<'PY' || { echo "BUILD_PY lacks build requirements: pip install them or ISOLATED=1"; exit 1; }
-import sys
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib
-from importlib.metadata import PackageNotFoundError, version
-from packaging.requirements import Requirement
-missing = []
-for spec in tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"]:
-    req = Requirement(spec)
-    try:
-        if not req.specifier.contains(version(req.name), prereleases=True):
-            missing.append(f"{spec} (have {version(req.name)})")
-    except PackageNotFoundError:
-        missing.append(spec)
-print("build requirements:", "missing " + ", ".join(missing) if missing else "all installed")
-sys.exit(1 if missing else 0)
-PY
+  "$BUILD_PY" scripts/build_requires.py --missing \
+    || { echo "BUILD_PY lacks build requirements: pip install them or ISOLATED=1"; exit 1; }
   isolation=(--no-isolation)
 fi
 "$BUILD_PY" -m build "${isolation[@]}" --outdir "$work/dist" . >"$work/build.log" 2>&1 || { tail -40 "$work/build.log"; exit 1; }
