@@ -78,8 +78,10 @@ define install_editable
 	@if [ "$(2)" = reqs ]; then \
 		reqs="$$($(PY) scripts/build_requires.py)"; \
 		[ -z "$$reqs" ] || $(PIP) install --quiet $$reqs; \
+		reqs="$$($(PY) scripts/build_requires.py --editable)"; \
+		[ -z "$$reqs" ] || $(PIP) install --quiet $$reqs; \
 	fi; \
-	if $(PY) scripts/build_requires.py --missing >/dev/null; then \
+	if $(PY) scripts/build_requires.py --editable --missing >/dev/null; then \
 		$(PIP) install --quiet --no-build-isolation -e '.[$(1)]'; \
 	else \
 		$(PIP) install --quiet -e '.[$(1)]'; \

@@ -1,19 +1,23 @@
-"""pyproject.toml's ``build-system.requires``, for builds without isolation.
+"""pyproject.toml's build requirements, for builds without isolation.
 
-``python scripts/build_requires.py`` prints them one per line (``make venv``
-installs them, then installs the package with ``--no-build-isolation``: pip's
-isolated build would otherwise install jupyterlab a second time, ~20 s).
+``python scripts/build_requires.py [--editable]`` prints them one per line:
+``build-system.requires``, and with ``--editable`` also what the build backend
+asks for an editable install (PEP 660's ``get_requires_for_build_editable``:
+hatchling's ``editables``; asked only once the backend is installed). ``make
+venv`` installs them, then the package with ``--no-build-isolation``: pip's
+isolated build would install jupyterlab a second time (~20 s).
 ``--missing``: those the running interpreter lacks, exit 1 if any (``make
 wheel-check`` builds with this interpreter's packages). On Python 3.10
 without tomli it cannot read them: it prints nothing, and ``--missing``
-exits 1 (the caller then builds with isolation).
-Run from the repository root.
+exits 1 (the caller then builds with isolation). Run from the repository root.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 try:
     import tomllib
@@ -23,12 +27,22 @@ except ImportError:  # Python 3.10
     except ImportError:
         print("build requirements: cannot read pyproject.toml (no tomllib, no tomli)",
               file=sys.stderr)
-        sys.exit(1 if sys.argv[1:] == ["--missing"] else 0)
+        sys.exit(1 if "--missing" in sys.argv else 0)
 
 
-def requires() -> list[str]:
+def requires(editable: bool) -> list[str]:
     with open("pyproject.toml", "rb") as f:
-        return list(tomllib.load(f)["build-system"]["requires"])
+        system: dict[str, Any] = tomllib.load(f)["build-system"]
+    specs = list(system["requires"])
+    if editable:
+        try:
+            backend = importlib.import_module(system["build-backend"])
+        except ImportError:
+            specs.append(system["build-backend"].split(".")[0])  # counted missing
+        else:
+            hook = getattr(backend, "get_requires_for_build_editable", None)
+            specs += [s for s in (hook() if hook else []) if s not in specs]
+    return specs
 
 
 def missing(specs: list[str]) -> list[str]:
@@ -50,8 +64,14 @@ def missing(specs: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    specs = requires()
-    if argv[1:] == ["--missing"]:
+    flags = set(argv[1:])
+    unknown = flags - {"--editable", "--missing"}
+    if unknown:
+        print(f"build_requires.py: unknown {sorted(unknown)}; use --editable, --missing",
+              file=sys.stderr)
+        return 2
+    specs = requires("--editable" in flags)
+    if "--missing" in flags:
         lacking = missing(specs)
         print("build requirements:", "missing " + ", ".join(lacking) if lacking
               else "all installed")
