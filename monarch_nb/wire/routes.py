@@ -63,9 +63,6 @@ class Routes:
         if self._agent_of.pop(ident, None) is not None:
             self._plans = {}
 
-    def agent_of(self, ident: bytes) -> bytes | None:
-        return self._agent_of.get(ident)
-
     def plan(self, idents: Sequence[bytes]) -> Plan:
         """Each agent's fan-out header for a message to ``idents``, and
         those of them that are behind no agent (kept per set of ranks)."""
@@ -87,23 +84,23 @@ class Routes:
             plans[key] = plan
         return plan
 
+    def owns(self, agent: bytes, ident: bytes) -> bool:
+        """Whether ``agent`` relays for ``ident``; ProtocolError
+        ("relay-foreign") if another agent does. An id that no agent relays
+        any more (an earlier incarnation's: forgotten when its rank got a new
+        process) is False, counted as "stale": a straggler the agent sent
+        before it knew, not a forgery."""
+        relay = self._agent_of.get(ident)
+        if relay == agent:
+            return True
+        if relay is None:
+            self.counts["stale"] += 1
+            return False
+        raise ProtocolError("relay-foreign", f"{ident[:64]!r} is not a rank of this agent")
+
     def own(self, agent: bytes, idents: Sequence[bytes]) -> list[bytes]:
-        """Those of ``idents`` that ``agent`` relays for; ProtocolError
-        ("relay-foreign") if one is another agent's. An id that no agent
-        relays any more (an earlier incarnation's: forgotten when its rank
-        got a new process) is left out, counted as "stale": a straggler the
-        agent sent before it knew, not a forgery."""
-        agent_of = self._agent_of
-        own = []
-        for ident in idents:
-            relay = agent_of.get(ident)
-            if relay == agent:
-                own.append(ident)
-            elif relay is None:
-                self.counts["stale"] += 1
-            else:
-                raise ProtocolError("relay-foreign", f"{ident[:64]!r} is not a rank of this agent")
-        return own
+        """Those of ``idents`` that ``agent`` relays for (``owns``, each)."""
+        return [ident for ident in idents if self.owns(agent, ident)]
 
 
 __all__ = ["MAX_PLANS", "Plan", "Routes"]

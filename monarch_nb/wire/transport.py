@@ -372,19 +372,17 @@ class IOLoop:
             return
         self.relayed["batches"] += 1
         self.relayed["messages"] += len(entries)
-        agent_of, at = self.routes.agent_of, 1
+        owns, at = self.routes.owns, 1
         for ident, n in entries:
             part, at = frames[at:at + n], at + n
             if ident == agent:  # the agent's own: a fold of its ranks' results
                 self._deliver_fold(agent, part)
                 continue
-            relay = agent_of(ident)
-            if relay != agent:
-                if relay is None:  # an earlier incarnation's straggler (IOLoop.forget)
-                    self.relayed["stale"] += 1
-                else:
-                    self._drop(agent, ProtocolError(
-                        "relay-foreign", f"{ident[:64]!r} is not a rank of this agent"))
+            try:
+                if not owns(agent, ident):  # an earlier incarnation's straggler (IOLoop.forget)
+                    continue
+            except ProtocolError as exc:  # another agent's rank: this message only
+                self._drop(agent, exc)
                 continue
             self._deliver(ident, self._ident_str(ident), part)
 
