@@ -74,6 +74,7 @@ $(TORCH_STAMP):
 # when the venv has the build requirements (an isolated build installs jupyterlab
 # into a throwaway venv first, ~20 s); $(2) = reqs installs them first (the dev
 # extra has them anyway). scripts/build_requires.py reads them from pyproject.toml.
+# The venv's bin/ leads PATH: the extension's npm build runs `jupyter labextension`.
 define install_editable
 	@if [ "$(2)" = reqs ]; then \
 		reqs="$$($(PY) scripts/build_requires.py)"; \
@@ -82,7 +83,7 @@ define install_editable
 		[ -z "$$reqs" ] || $(PIP) install --quiet $$reqs; \
 	fi; \
 	if $(PY) scripts/build_requires.py --editable --missing >/dev/null; then \
-		$(PIP) install --quiet --no-build-isolation -e '.[$(1)]'; \
+		PATH="$(abspath $(VENV))/bin:$$PATH" $(PIP) install --quiet --no-build-isolation -e '.[$(1)]'; \
 	else \
 		$(PIP) install --quiet -e '.[$(1)]'; \
 	fi

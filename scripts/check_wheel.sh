@@ -31,8 +31,13 @@ if [ "${ISOLATED:-0}" != 1 ]; then
   "$BUILD_PY" scripts/build_requires.py --missing \
     || { echo "BUILD_PY lacks build requirements: pip install them or ISOLATED=1"; exit 1; }
   isolation=(--no-isolation)
+  # as in an isolated build's environment, its bin/ leads the build's PATH (the
+  # extension's npm build runs `jupyter labextension build`)
+  build_path="$(cd "$(dirname "$BUILD_PY")" && pwd):$PATH"
+else
+  build_path=$PATH
 fi
-"$BUILD_PY" -m build "${isolation[@]}" --outdir "$work/dist" . >"$work/build.log" 2>&1 || { tail -40 "$work/build.log"; exit 1; }
+PATH="$build_path" "$BUILD_PY" -m build "${isolation[@]}" --outdir "$work/dist" . >"$work/build.log" 2>&1 || { tail -40 "$work/build.log"; exit 1; }
 ls -l "$work/dist"
 wheel=$(ls "$work"/dist/monarch_nb-*.whl)
 sdist=$(ls "$work"/dist/monarch_nb-*.tar.gz)
