@@ -173,6 +173,14 @@ def collective_hint(where: Mapping[int, str]) -> str:
             "--setup cells are replayed).")
 
 
+def lost_host_hint(ranks: Iterable[int]) -> str:
+    """What to do for ranks whose host was lost and no spare took them: the
+    one wording of the call error, the policy's report, ``%monarch status``
+    and the dashboard."""
+    return (f"give the mesh a host (mesh.add_hosts('HOST')), then "
+            f"%monarch restart {format_ranks(ranks)}")
+
+
 def no_free_port(what: str) -> UsageError:
     """Binding ``what`` to a port the kernel picks failed: every port of the
     local port range is in use (or the range is tiny)."""

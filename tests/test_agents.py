@@ -294,7 +294,7 @@ def test_a_lost_host_without_a_spare_then_a_host_given_later(two_hosts: dict) ->
         rows = mesh.status()
         assert [(r["lost_host"], r["exit"]) for r in rows] == [("", ""), ("", "")] + [
             ("hB", "its host hB was lost")] * 2, rows
-        assert "lost: host hB (rank 2,3): give the mesh a host, mesh.add_hosts('HOST'), then " \
+        assert "lost: host hB (rank 2,3): give the mesh a host (mesh.add_hosts('HOST')), then " \
             "%monarch restart 2,3" in format_status(mesh), format_status(mesh)
         with pytest.raises(MonarchError, match=r"rank 2 is dead \(its host was lost\); .*"
                            r"mesh.add_hosts"):

@@ -243,6 +243,28 @@ def test_a_death_between_two_messages_still_shows_the_rank_dead_once() -> None:
     assert m is not None and [(t["rank"], t["state"]) for t in m["tiles"]] == [(0, "respawning")]
 
 
+def test_a_lost_host_is_sent_once_worded_as_status_words_it() -> None:
+    """The feed sends the lost hosts' lines (``lost``) when they change, in
+    the snapshot and in a delta, with the hint ``%monarch status`` prints."""
+    store = MetricsStore(4)
+    rows = _rows(4, "ready")
+    feed = Feed(store, lambda: rows, lambda: [])
+    snap = feed.next()
+    assert snap is not None and snap["lost"] == []
+    rows = _rows(4, "ready")
+    for r in (3, 2):
+        rows[r].update(state="lost", lost_host="hB")
+    m = feed.next()
+    assert m is not None and m["lost"] == [{
+        "host": "hB", "ranks": "2,3",
+        "hint": "give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 2,3"}]
+    assert feed.next() is None  # unchanged: not sent again
+    rows = _rows(4, "ready")
+    m = feed.next()
+    assert m is not None and m["lost"] == []  # back: the page takes the line away
+    assert feed.next() is None
+
+
 def test_64_simulated_ranks_at_100_points_per_second() -> None:
     """64 ranks x 100 points/s for 5 s, polled like the dashboard thread:
     every message carries only new points, and a late view's snapshot is

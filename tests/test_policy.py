@@ -224,8 +224,8 @@ def test_the_policy_decides_from_the_table_not_from_a_copy_of_its_own() -> None:
 def test_host_lost_without_spare_moves_its_ranks_to_lost_without_spending_budget() -> None:
     s = Script(4, budget=1)
     acts = s.handle(HostLost("h1", (1, 2), now=5.0))
-    assert acts == [Move(1, S.LOST), Move(2, S.LOST), Report(1, "rank 1 lost: host h1 lost; give the mesh a host (mesh.add_hosts) and restart it"),
-                    Report(2, "rank 2 lost: host h1 lost; give the mesh a host (mesh.add_hosts) and restart it")]
+    assert acts == [Move(1, S.LOST), Move(2, S.LOST), Report(1, "rank 1 lost: host h1 lost; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 1"),
+                    Report(2, "rank 2 lost: host h1 lost; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 2")]
     assert s.states() == [S.READY, S.LOST, S.LOST, S.READY]
     # gone, awaiting a host (a user's restart): calls to it are refused, not held
     assert s.t.gone_for_good(1) and not s.t.coming_back(1) and not s.t.reform_pending()
@@ -267,7 +267,7 @@ def test_host_lost_for_ranks_already_dead() -> None:
     s.handle(Died(1, now=0.1))  # again: WAITING out a backoff
     assert s.states()[:2] == [S.FAILED, S.WAITING] and s.p.next_deadline() is not None
     acts = s.handle(HostLost("h1", (0, 1), now=0.2))
-    assert acts == [Move(1, S.LOST), Report(1, "rank 1 lost: host h1 lost; give the mesh a host (mesh.add_hosts) and restart it")]
+    assert acts == [Move(1, S.LOST), Report(1, "rank 1 lost: host h1 lost; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 1")]
     assert s.states()[:2] == [S.FAILED, S.LOST] and s.p.next_deadline() is None
     assert s.handle(Timer(now=99.0)) == []
     assert s.handle(HostLost("h1", (0, 1), now=1.0)) == []  # lost twice: once is news
@@ -285,8 +285,8 @@ def test_host_lost_during_a_respawn_or_a_kill() -> None:
     s.handle(Died(0, now=0.0))  # RESPAWNING
     s.t.move(1, S.DYING)  # we sent it a KILL, its exit not seen yet
     acts = s.handle(HostLost("h1", (0, 1), now=1.0))
-    assert acts == [Move(0, S.LOST), Move(1, S.LOST), Report(0, "rank 0 lost: host h1 lost; give the mesh a host (mesh.add_hosts) and restart it"),
-                    Report(1, "rank 1 lost: host h1 lost; give the mesh a host (mesh.add_hosts) and restart it")]
+    assert acts == [Move(0, S.LOST), Move(1, S.LOST), Report(0, "rank 0 lost: host h1 lost; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 0"),
+                    Report(1, "rank 1 lost: host h1 lost; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 1")]
     assert s.handle(Died(1, now=1.1, incarnation=0)) == []
 
 

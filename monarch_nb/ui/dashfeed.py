@@ -9,7 +9,12 @@ messages; it keeps cursors so that each message carries only what changed:
 * ``{"t": "delta", ...}``: new points (grouped per rank and metric), series
   cuts (a respawned rank that resumed from an earlier step), tiles whose
   figures changed, new events, the metric names when a new one appeared,
-  and ``flight`` when what the flight recorders say changed.
+  ``flight`` when what the flight recorders say changed, and ``lost`` when
+  the hosts lost with ranks on them changed.
+
+``lost`` (:func:`~monarch_nb.ui.status.lost_hosts`): ``[{"host", "ranks",
+"hint"}]``, the lines ``%monarch status`` prints, so the page words them
+the same way and builds no text of its own.
 
 ``flight`` (:func:`flight_view`) is the collectives badge and the straggler
 marks: ``{"findings": [text, ...], "slow": {rank: ratio}}``, the texts those
@@ -34,6 +39,7 @@ from typing import Any
 
 from ..controller.analysis.collectives import CollectiveReport, Finding, StragglerReport
 from ..controller.metricstore import MetricsStore
+from .status import lost_hosts
 
 MAX_HZ = 10.0
 SNAPSHOT_POINTS = 2000  # per series in a snapshot (the newest point always exact)
@@ -168,6 +174,7 @@ class Feed:
         self.state = "running"
         self.flight: dict[str, Any] = NO_FLIGHT  # set by the dashboard's watcher thread
         self._flight_sent: dict[str, Any] = NO_FLIGHT
+        self._lost_sent: list[dict[str, str]] = []
 
     def _tiles_now(self) -> list[dict[str, Any]]:
         tiles = [tile(r) for r in self.rows()]
@@ -231,6 +238,9 @@ class Feed:
         if flight != self._flight_sent:
             self._flight_sent = flight
             msg["flight"] = flight
+        lost = lost_hosts(list(self._tiles.values()))
+        if lost != self._lost_sent:
+            self._lost_sent = msg["lost"] = lost
         return msg if len(msg) > 1 else None
 
     def snapshot(self) -> dict[str, Any]:
@@ -243,11 +253,12 @@ class Feed:
         names = list(self.store.names)
         self._names = len(names)
         self._flight_sent = flight = self.flight
+        self._lost_sent = lost = lost_hosts(rows)
         return {
             "t": "snapshot", "world": self.store.world_size, "state": self.state,
             "series": [[r, n, s, [_num(x) for x in v]] for (r, n), (s, v) in everything.items()],
             "tiles": rows, "events": _news(events)[-MAX_EVENTS:], "names": names,
-            "flight": flight,
+            "flight": flight, "lost": lost,
         }
 
 

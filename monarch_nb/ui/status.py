@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import lost_host_hint
 from ..selection import format_ranks
 
 
@@ -48,22 +49,24 @@ def format_status(mesh: Any) -> str:
     dead = [r["rank"] for r in rows if r["state"] in ("dead", "waiting")]
     if dead:
         lines.append(f"dead: rank {format_ranks(dead)}")
-    for host, ranks in lost_hosts(rows).items():
-        lines.append(f"lost: host {host} (rank {format_ranks(ranks)}): give the mesh a host, "
-                     f"mesh.add_hosts('HOST'), then %monarch restart {format_ranks(ranks)}")
+    for lost in lost_hosts(rows):
+        lines.append(f"lost: host {lost['host']} (rank {lost['ranks']}): {lost['hint']}")
     dropped = mesh.dropped
     if dropped:
         lines.append("dropped messages: " + ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))
     return "\n".join(lines)
 
 
-def lost_hosts(rows: list[dict[str, Any]]) -> dict[str, list[int]]:
-    """The hosts lost with ranks still on them (``lost`` rows), and those ranks."""
-    out: dict[str, list[int]] = {}
-    for r in rows:
+def lost_hosts(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The hosts lost with ranks still on them (``lost`` rows or tiles): per
+    host its name, its ranks ("2,3") and what to do, for ``%monarch status``
+    and the dashboard alike."""
+    ranks: dict[str, list[int]] = {}
+    for r in sorted(rows, key=lambda r: int(r["rank"])):
         if r["state"] == "lost":
-            out.setdefault(r.get("lost_host") or "?", []).append(r["rank"])
-    return out
+            ranks.setdefault(r.get("lost_host") or "?", []).append(r["rank"])
+    return [{"host": host, "ranks": format_ranks(rs), "hint": lost_host_hint(rs)}
+            for host, rs in ranks.items()]
 
 
 __all__ = ["format_status", "lost_hosts"]

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...config import MeshConfig
-from ...errors import MonarchError
+from ...errors import MonarchError, lost_host_hint
 from ...futures import MeshFuture
 from ...wire import chunks
 from ...wire.protocol import Codec, Kind, exec_parts
@@ -173,8 +173,7 @@ class Caller:
                        else "the mesh was stopped" if state == RankState.STOPPED
                        else "its host was lost" if state == RankState.LOST
                        else describe_exit(info.exitcode))
-                back = (f"give the mesh a host (mesh.add_hosts('HOST')) and %monarch restart {r}"
-                        if state == RankState.LOST else
+                back = (lost_host_hint([r]) if state == RankState.LOST else
                         f"bring it back with %monarch restart {r} (mesh.restart({r}))")
                 raise MonarchError(
                     f"rank {r} is dead ({why}); select the live ranks with --ranks, or {back}")

@@ -64,6 +64,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from ...errors import lost_host_hint
 from .rankstates import GONE, LIVE, RankState, check
 from .ranktable import RankTable
 
@@ -340,9 +341,8 @@ class RestartPolicy:
             lost.append(rank)
         if ev.spare is None or not lost:
             # nothing brings them back: a Report ends their calls, elastic ones too
-            snap.actions.extend(Report(rank, f"rank {rank} lost: host {ev.host} lost; give the "
-                                       "mesh a host (mesh.add_hosts) and restart it")
-                                for rank in lost)
+            snap.actions.extend(Report(rank, f"rank {rank} lost: host {ev.host} lost; "
+                                       + lost_host_hint([rank])) for rank in lost)
             return
         for rank in lost:
             snap.respawn(rank, host=ev.spare)

@@ -1,8 +1,10 @@
 // monarch_nb live dashboard (anywidget ESM; no build step).
 //
 // The kernel sends custom messages (see monarch_nb/ui/dashfeed.py):
-//   {t: "snapshot", world, series: [[rank, name, steps, values]], tiles, events, names, flight}
-//   {t: "delta", series?, cuts?, tiles?, events?, names?, state?, flight?}
+//   {t: "snapshot", world, series: [[rank, name, steps, values]], tiles, events, names, flight, lost}
+//   {t: "delta", series?, cuts?, tiles?, events?, names?, state?, flight?, lost?}
+// lost: [{host, ranks, hint}]: the hosts lost with ranks on them, worded by
+// the kernel as %monarch status words them (monarch_nb/ui/status.py).
 // flight: {findings: [text], slow: {rank: ratio}}: the collectives badge
 // (what mesh.collectives() finds) and the straggler marks on the tiles.
 // Data lives per widget (shared by its views); views redraw
@@ -63,7 +65,7 @@ function dataFor(model) {
 
 function newData() {
   return { world: 0, state: "running", series: new Map(), tiles: new Map(), events: [],
-    names: [], flight: { findings: [], slow: {} }, version: 0, listeners: new Set() };
+    names: [], flight: { findings: [], slow: {} }, lost: [], version: 0, listeners: new Set() };
 }
 
 function seriesOf(data, rank, name) {
@@ -116,6 +118,7 @@ function apply(data, msg) {
   if (msg.events) data.events = data.events.concat(msg.events).slice(-200);
   if (msg.names) data.names = msg.names;
   if (msg.flight) data.flight = msg.flight;
+  if (msg.lost) data.lost = msg.lost;
   if (msg.world) data.world = msg.world;
   data.version++;
   for (const fn of data.listeners) fn();
@@ -209,20 +212,11 @@ function render({ model, el }) {
   }
 
   function drawHosts() {
-    // lost hosts with ranks still on them (tiles "lost", their lost_host):
-    // one line per host, as %monarch status prints it
-    const lost = new Map();
-    for (const [rank, t] of [...data.tiles.entries()].sort((a, b) => a[0] - b[0])) {
-      if (t.state !== "lost") continue;
-      const host = t.lost_host || "?";
-      if (!lost.has(host)) lost.set(host, []);
-      lost.get(host).push(rank);
-    }
-    hostsEl.classList.toggle("on", lost.size > 0);
-    hostsEl.dataset.hosts = [...lost.keys()].join(",");
-    hostsEl.innerHTML = [...lost.entries()].map(([host, ranks]) =>
-      `<b>host ${esc(host)} lost</b> with rank ${esc(ranks.join(","))}` +
-      `<div>give the mesh a host: mesh.add_hosts('HOST'), then %monarch restart ${esc(ranks.join(","))}</div>`
+    const lost = data.lost;
+    hostsEl.classList.toggle("on", lost.length > 0);
+    hostsEl.dataset.hosts = lost.map((l) => l.host).join(",");
+    hostsEl.innerHTML = lost.map((l) =>
+      `<b>host ${esc(l.host)} lost</b> with rank ${esc(l.ranks)}<div>${esc(l.hint)}</div>`
     ).join("");
   }
 
