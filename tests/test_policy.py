@@ -380,6 +380,34 @@ def test_dying_is_a_legal_state_and_illegal_moves_are_refused() -> None:
 
 
 # -- "is it coming back?": one answer, the rank table's ---------------------------------------
+@pytest.mark.parametrize("state", list(RankState), ids=lambda s: s.name)
+def test_must_wait_in_one_pass_agrees_with_its_definition(state: RankState) -> None:
+    """must_wait is one pass over the table (it runs for every call): in
+    every state of rank 2 it says what its definition says, a call to the
+    others waiting only for a re-formation ahead (rank 2 WAITING)."""
+    t = RankTable(3)
+    for r in (0, 1):
+        t.move(r, S.READY)
+    for step in _path_to(state):
+        t.move(2, step)
+    for ranks in ((0, 1), (2,), (0, 1, 2)):
+        expected = t.reform_pending() or any(t.coming_back(r) for r in ranks)
+        assert t.must_wait(ranks) is expected, ranks
+    assert t.must_wait((0, 1)) is (state is S.WAITING)
+
+
+def test_move_many_only_from_leaves_the_ranks_in_other_states() -> None:
+    """A call's answered ranks go back to READY only if BUSY: one that is
+    dying meanwhile stays dying, one already READY stays as it is."""
+    t = RankTable(3)
+    for r in range(3):
+        t.move(r, S.READY)
+    t.move_many([0, 1], S.BUSY)
+    t.move(1, S.DYING)
+    t.move_many([0, 1, 2], S.READY, only_from=S.BUSY)
+    assert [t[r].state for r in range(3)] == [S.READY, S.DYING, S.READY]
+
+
 def test_the_rank_table_answers_whether_a_rank_is_coming_back_in_every_state() -> None:
     t = RankTable(3)
     assert t.coming_back(0)  # STARTING: its first process is on its way

@@ -98,6 +98,8 @@ def test_routes_plan_one_fanout_per_agent_and_follow_every_change() -> None:
     assert [(a, unpack_fanout(h)) for a, h in routes.plan([b"r0", b"r1"])[0]] == [
         (b"A", [b"r0", b"r1"])]
     assert routes.own(b"A", [b"r0", b"r1"]) == [b"r0", b"r1"]
+    with pytest.raises(ProtocolError, match="relay-foreign"):  # its old host's agent lost it
+        routes.own(b"B", [b"r1"])
     routes.detach(b"r1")  # its process is gone: nobody speaks for it
     assert routes.plan([b"r0", b"r1"])[1] == [b"r1"]
     # its agent's late word for it is a straggler, left out; another agent's rank is not

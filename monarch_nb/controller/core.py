@@ -330,8 +330,7 @@ class Controller:
     def _on_fold(self, idents: list[bytes], msg: Message) -> None:
         """The same plain result of several ranks of one host (wire/fold.py;
         the transport checked they are its agent's)."""
-        lookup = self.ranks.lookup
-        infos = [info for info in map(lookup, idents) if info is not None]
+        infos = self.ranks.lookup_many(idents)
         now = time.monotonic()
         for info in infos:
             info.last_heartbeat = now
@@ -353,10 +352,11 @@ class Controller:
         if inspector.prompts or inspector.debug_focus:
             for rank in ranks:
                 inspector.release_focus(call.call_id, rank)
-        table, busy, alone = self.ranks, self.calls.busy, len(self.calls) <= 1
         # idle again unless another call waits for it
-        table.move_many([rank for rank in ranks if table[rank].state is RankState.BUSY
-                         and (alone or not busy(rank))], RankState.READY)
+        if len(self.calls) > 1:
+            busy = self.calls.busy
+            ranks = [rank for rank in ranks if not busy(rank)]
+        self.ranks.move_many(ranks, RankState.READY, only_from=RankState.BUSY)
 
     def _call_finished(self, call: PendingCall) -> None:
         self.dataplane.release(call.call_id)  # every rank answered: they mapped it
@@ -365,10 +365,13 @@ class Controller:
             inspector.release_focus(call.call_id, -1)  # forget its debugger prompts
         call.output.flush(force=True, ranks=call.ranks)
         inspector.call_over(call)  # its dead are the ones the analysis shows now
-        # ranks of the call that owe nothing else are idle again
-        for rank in call.ranks:
-            if self.ranks[rank].state == RankState.BUSY and not self.calls.busy(rank):
-                self.ranks.move(rank, RankState.READY)
+        # ranks of the call that owe nothing else are idle again (it has
+        # left the table: any call still there may hold some of them)
+        ranks: Sequence[int] = call.ranks
+        if len(self.calls):
+            busy = self.calls.busy
+            ranks = [rank for rank in ranks if not busy(rank)]
+        self.ranks.move_many(ranks, RankState.READY, only_from=RankState.BUSY)
 
     # -- I/O thread: ticks ---------------------------------------------------------------
     def _on_tick(self, now: float) -> float:

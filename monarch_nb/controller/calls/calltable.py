@@ -168,13 +168,12 @@ class CallTable:
     def complete_many(self, call: PendingCall, ranks: list[int], value: Any) -> None:
         """Each of ``ranks`` answered ``call`` with ``value`` (a host's
         folded result: wire/fold.py); the call finishes at most once."""
-        remaining, results = call.remaining, call.results
+        remaining = call.remaining
         done = [rank for rank in ranks if rank in remaining]
         if not done:
             return
-        for rank in done:
-            results[rank] = value
-            remaining.discard(rank)
+        call.results.update(dict.fromkeys(done, value))
+        remaining.difference_update(done)
         call.progress_at = time.monotonic()
         self.on_ranks_done(call, done)
         self.finish_if_done(call)

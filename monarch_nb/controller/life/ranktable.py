@@ -94,14 +94,18 @@ class RankTable:
             check(rank, info.state, to)
             info.state = to
 
-    def move_many(self, ranks: Iterable[int], to: RankState) -> None:
+    def move_many(self, ranks: Iterable[int], to: RankState, *,
+                  only_from: RankState | None = None) -> None:
         """:meth:`move` for each of ``ranks`` (a call's, sent or answered:
-        one loop, where a thousand ranks made a thousand calls)."""
+        one loop, where a thousand ranks made a thousand calls). With
+        ``only_from``, the ranks in another state stay as they are (a call's
+        answered ranks go back to READY only if they were BUSY: one that
+        is dying meanwhile stays dying)."""
         table, allowed = self._ranks, TRANSITIONS
         for rank in ranks:
             info = table[rank]
             frm = info.state
-            if frm is not to:
+            if frm is not to and (only_from is None or frm is only_from):
                 if to not in allowed[frm]:
                     check(rank, frm, to)  # raises
                 info.state = to
@@ -121,8 +125,15 @@ class RankTable:
 
     def must_wait(self, ranks: tuple[int, ...]) -> bool:
         """A call to ``ranks`` must not be sent now: one of them is coming
-        back, or the group is about to be re-formed."""
-        return self.reform_pending() or any(self.coming_back(r) for r in ranks)
+        back, or the group is about to be re-formed (any rank WAITING).
+        One plain pass over the table (this runs for every call): the
+        call's ranks are looked at only in the rare states that matter."""
+        waiting = RankState.WAITING
+        for info in self._ranks:
+            state = info.state
+            if state in WAIT_FOR and (state is waiting or info.rank in ranks):
+                return True
+        return False
 
     def gone_for_good(self, rank: int) -> bool:
         """No process, and none coming unless the user restarts it."""
@@ -167,6 +178,11 @@ class RankTable:
 
     def lookup(self, ident: bytes) -> RankInfo | None:
         return self._by_ident.get(ident)
+
+    def lookup_many(self, idents: Iterable[bytes]) -> list[RankInfo]:
+        """The records of those of ``idents`` that are a current process's
+        (a host's folded answer names its ranks: one C-level pass)."""
+        return [info for info in map(self._by_ident.get, idents) if info is not None]
 
     def sendable(self, ranks: tuple[int, ...]) -> list[bytes] | None:
         """The main socket ids of ``ranks`` if every one of them can take a
