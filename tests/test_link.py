@@ -14,18 +14,21 @@ and ``local_link=False`` puts every rank back on ZeroMQ.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import stat
+import threading
 from typing import Any
 
 import numpy as np
 import psutil
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from monarch_nb import Mesh
 from monarch_nb.wire import link as links
-from monarch_nb.wire.link import DROPPED, PACKET_BYTES, Assembler, Link
+from monarch_nb.wire.link import DROPPED, MORE_PACKETS, PACKET_BYTES, SIZED, Assembler, Link
 
 from .conftest import wait_for
 
@@ -84,14 +87,43 @@ def test_an_oversized_message_is_refused_whole_and_the_next_one_arrives() -> Non
 def test_a_packet_that_is_not_ours_is_dropped_and_the_stream_goes_on(junk: bytes) -> None:
     asm = Assembler(1 << 20)
     out = asm.feed(junk)
-    if not junk or junk[0] & ~3:
+    flags = junk[0] if junk else 0xFF
+    size = int.from_bytes(junk[1:], "little") if len(junk) == 9 else 0
+    begins = not flags & ~3 or (flags == SIZED and PACKET_BYTES < size <= 1 << 20)
+    if not begins:  # nothing of ours, or a size no sender announces
         assert out is DROPPED and asm.refused == "malformed"
     # whatever it was, a well-formed message after it comes back whole
     for flag, data in links.packets([b"x" * 10, b"y"]):
         last = asm.feed(flag + bytes(data))
-    if junk and not junk[0] & ~3 and junk[0]:
+    if begins and flags:
         return  # it began a message of its own: the next ones are its frames (signature fails later)
     assert last == [b"x" * 10, b"y"]
+
+
+@pytest.mark.parametrize("case", ["short", "long", "unannounced", "oversized"])
+def test_a_sized_frame_that_does_not_match_its_size_is_dropped_and_the_stream_goes_on(
+        case: str) -> None:
+    """A frame of several packets is announced with its size (SIZED) and
+    read into one buffer: packets that end it early or run past it, packets
+    of several without the announcement, and a size above the bound are
+    refused, and the next message comes back whole."""
+    asm = Assembler(4 * PACKET_BYTES)
+    more, last = bytes([MORE_PACKETS]), b"\x00"
+    chunk = b"z" * PACKET_BYTES
+    size = {"short": 3 * PACKET_BYTES, "long": PACKET_BYTES + 10, "unannounced": 0,
+            "oversized": 8 * PACKET_BYTES}[case]
+    packets = [] if case == "unannounced" else [bytes([SIZED]) + size.to_bytes(8, "little")]
+    packets += [more + chunk, last + chunk]  # two full packets: short of 3, past PACKET + 10
+    outs = [asm.feed(p) for p in packets]
+    assert outs[-1] is DROPPED and DROPPED not in outs[:-1]
+    assert asm.refused == ("oversized" if case == "oversized" else "malformed")
+    assert _roundtrip_on(asm, [b"x" * (2 * PACKET_BYTES + 3), b"y"]) == [
+        [b"x" * (2 * PACKET_BYTES + 3), b"y"]]
+
+
+def _roundtrip_on(asm: Assembler, frames: list[bytes]) -> list[Any]:
+    return [got for flag, data in links.packets(frames)
+            if (got := asm.feed(flag + bytes(data))) is not None]
 
 
 def test_too_many_frames_are_refused() -> None:
@@ -125,6 +157,47 @@ def test_a_full_socket_queues_in_order_and_flushes() -> None:
     sender.read()
     assert sender.closed
     sender.close()
+
+
+def test_a_sized_frame_is_received_in_place_and_a_packet_past_its_end_is_refused() -> None:
+    """On a real socket a frame of several packets is read straight into
+    its buffer (recvmsg_into). A packet longer than what is left of the
+    frame is cut by the kernel (MSG_TRUNC): the message is refused, the next
+    one arrives whole, and the blocking end (a rank's) reads the same way."""
+    ours, theirs = links.pair()
+    receiver = Link(theirs, 1 << 30)
+    try:
+        frame = bytes(range(256)) * (3 * PACKET_BYTES // 256) + b"tail"
+        for flag, data in links.packets([b"h", frame]):
+            ours.sendmsg([flag, data])
+        got = receiver.read()
+        assert got == [b"h", frame] and type(got[1]) is bytearray
+        size = PACKET_BYTES + 10
+        for packet in (bytes([SIZED]) + size.to_bytes(8, "little"),
+                       bytes([MORE_PACKETS]) + b"a" * PACKET_BYTES,
+                       b"\x00" + b"b" * PACKET_BYTES):  # 10 bytes were left
+            ours.send(packet)
+        assert receiver.read() is DROPPED and receiver.refused == "malformed"
+        for flag, data in links.packets([frame]):
+            ours.sendmsg([flag, data])
+        assert receiver.read() == [frame]
+        blocking = Link(ours, 1 << 30, blocking=True)
+        back = Link(theirs, 1 << 30)  # (the same end, now sending: flushed as room comes)
+
+        def flush() -> None:
+            pending = back.send([b"back", frame])
+            while pending:
+                select.select([], [back.fd], [], 1.0)
+                pending = back.flush()
+
+        sending = threading.Thread(target=flush)
+        sending.start()
+        assert blocking.recv() == [b"back", frame]
+        sending.join(10)
+        assert not sending.is_alive()
+    finally:
+        ours.close()
+        receiver.close()
 
 
 def test_the_rank_end_is_not_inherited_by_its_children() -> None:
@@ -207,8 +280,12 @@ def test_forged_and_malformed_messages_on_a_link_are_dropped_and_counted(mesh4: 
 
 def test_an_oversized_message_on_a_link_is_dropped_before_it_is_kept() -> None:
     with Mesh.start(n=1, backend="cpu", max_message_bytes=1 << 20) as mesh:
-        huge = [b"\x01" + b"x" * PACKET_BYTES] * 40 + [b"\x00end"]  # 2.5 MiB in one frame
-        assert mesh.run(_write_on_own_link, huge).values_list() == [41]
+        # 2.5 MiB in one frame, announced as such: refused at its SIZED
+        # packet (nothing made for it), its packets read and dropped
+        size = 40 * PACKET_BYTES + 3
+        huge = ([bytes([SIZED]) + size.to_bytes(8, "little")]
+                + [b"\x01" + b"x" * PACKET_BYTES] * 40 + [b"\x00end"])
+        assert mesh.run(_write_on_own_link, huge).values_list() == [42]
         wait_for(lambda: mesh._ctl.io.dropped["oversized"] >= 1, what="the oversized message")
         assert mesh.run(lambda: "still here").values_list() == ["still here"]
 
