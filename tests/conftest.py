@@ -72,9 +72,28 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: f
         time.sleep(interval)
 
 
+def session_pids() -> dict[int, str]:
+    """Every live process this test session started, whatever it is (ranks,
+    agents, kernels, browsers, sshd and its sessions, slurm and munge
+    daemons): those whose environment carries this session's tag, but this
+    process. pid -> its command line."""
+    out = {}
+    me = os.getpid()
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if p.pid == me or p.environ().get("MONARCH_NB_TEST_SESSION") != SESSION_TAG:
+                continue
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out[p.pid] = " ".join(p.info["cmdline"] or [])[:120]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_orphans() -> Iterator[None]:
     before = worker_pids()
+    others = set(session_pids())  # (none, unless a helper was started at import)
     yield
     deadline = time.monotonic() + 10
     while worker_pids() - before and time.monotonic() < deadline:
@@ -86,6 +105,18 @@ def no_orphans() -> Iterator[None]:
         except psutil.NoSuchProcess:
             pass
     assert not leaked, f"rank processes outlived the test session: {sorted(leaked)}"
+    # Nor anything else the tests started (a test engine's daemon or one of
+    # its sessions, a kernel, a browser): waited for, then killed and named.
+    left = {pid: cmd for pid, cmd in session_pids().items() if pid not in others}
+    while left and time.monotonic() < deadline + 10:
+        time.sleep(0.2)
+        left = {pid: cmd for pid, cmd in session_pids().items() if pid not in others}
+    for pid in left:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, f"processes the tests started outlived the test session: {left}"
 
 
 def _owned_by(meshes: list[Mesh]) -> set[int]:

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import pytest
 
 
@@ -349,5 +350,17 @@ def sshd_in(hosts: Hosts, folder: str) -> Iterator[Sshd]:
                 time.sleep(0.2)
         yield Sshd(hosts, template)
     finally:
+        # Each connection has its own sshd process ("sshd: root@notty"), a
+        # child of the daemon, reparented to init when the daemon ends. One
+        # whose client is cut off (a partition test) would wait for its peer
+        # for ever, holding a removed namespace: ended here with the daemons.
+        sessions = []
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                sessions += psutil.Process(proc.pid).children(recursive=True)
         for proc in procs:
             _end(proc, signal.SIGTERM)
+        for session in sessions:
+            with contextlib.suppress(psutil.Error):
+                session.kill()
+        psutil.wait_procs(sessions, timeout=10)
