@@ -352,11 +352,7 @@ class Controller:
         if inspector.prompts or inspector.debug_focus:
             for rank in ranks:
                 inspector.release_focus(call.call_id, rank)
-        # idle again unless another call waits for it
-        if len(self.calls) > 1:
-            busy = self.calls.busy
-            ranks = [rank for rank in ranks if not busy(rank)]
-        self.ranks.move_many(ranks, RankState.READY, only_from=RankState.BUSY)
+        self._idle_again(ranks, others=len(self.calls) > 1)  # (the call is still in the table)
 
     def _call_finished(self, call: PendingCall) -> None:
         self.dataplane.release(call.call_id)  # every rank answered: they mapped it
@@ -365,10 +361,12 @@ class Controller:
             inspector.release_focus(call.call_id, -1)  # forget its debugger prompts
         call.output.flush(force=True, ranks=call.ranks)
         inspector.call_over(call)  # its dead are the ones the analysis shows now
-        # ranks of the call that owe nothing else are idle again (it has
-        # left the table: any call still there may hold some of them)
-        ranks: Sequence[int] = call.ranks
-        if len(self.calls):
+        self._idle_again(call.ranks, others=len(self.calls) > 0)  # (it has left the table)
+
+    def _idle_again(self, ranks: Sequence[int], others: bool) -> None:
+        """``ranks`` answered: the BUSY ones are READY again, unless another
+        call waits for them (``others``: there is another call to ask)."""
+        if others:
             busy = self.calls.busy
             ranks = [rank for rank in ranks if not busy(rank)]
         self.ranks.move_many(ranks, RankState.READY, only_from=RankState.BUSY)
