@@ -34,13 +34,13 @@ from .conftest import wait_for
 
 
 def _roundtrip(frames: list[bytes], max_bytes: int = 1 << 30) -> list[Any]:
-    asm = Assembler(max_bytes)
-    out = []
-    for flag, data in links.packets(frames):
-        got = asm.feed(flag + bytes(data))
-        if got is not None:
-            out.append(got)
-    return out
+    return _roundtrip_on(Assembler(max_bytes), frames)
+
+
+def _roundtrip_on(asm: Assembler, frames: list[bytes]) -> list[Any]:
+    """What ``asm`` assembles from ``frames``' packets, each read whole."""
+    return [got for flag, data in links.packets(frames)
+            if (got := asm.feed(flag + bytes(data))) is not None]
 
 
 # -- framing, alone ---------------------------------------------------------------------------
@@ -119,11 +119,6 @@ def test_a_sized_frame_that_does_not_match_its_size_is_dropped_and_the_stream_go
     assert asm.refused == ("oversized" if case == "oversized" else "malformed")
     assert _roundtrip_on(asm, [b"x" * (2 * PACKET_BYTES + 3), b"y"]) == [
         [b"x" * (2 * PACKET_BYTES + 3), b"y"]]
-
-
-def _roundtrip_on(asm: Assembler, frames: list[bytes]) -> list[Any]:
-    return [got for flag, data in links.packets(frames)
-            if (got := asm.feed(flag + bytes(data))) is not None]
 
 
 def test_too_many_frames_are_refused() -> None:
