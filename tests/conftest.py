@@ -44,19 +44,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=first)  # stable: the order within a file is kept
 
 
-def worker_pids() -> set[int]:
-    """PIDs of the monarch_nb rank processes started by this test session."""
-    out = set()
+def session_procs(match: Callable[[list[str]], bool] = lambda cmd: True) -> dict[int, str]:
+    """The live processes this test session started whose command line
+    ``match``es (by default any: ranks, agents, kernels, browsers, the slurm
+    and munge daemons): those whose environment carries this session's tag,
+    but this process. pid -> its command line. (sshd's per-connection
+    processes start with an empty environment: tests/engines.py ends them.)"""
+    out = {}
+    me = os.getpid()
     for p in psutil.process_iter(["cmdline"]):
         try:
             cmd = p.info["cmdline"] or []
-            rank = "monarch_nb.worker" in cmd or ("monarch_nb.cli" in cmd and "worker" in cmd)
-            if rank and p.environ().get("MONARCH_NB_TEST_SESSION") == SESSION_TAG:
+            if p.pid == me or not match(cmd):  # (the command line first: it is cheaper)
+                continue
+            if p.environ().get("MONARCH_NB_TEST_SESSION") == SESSION_TAG:
                 if p.status() != psutil.STATUS_ZOMBIE:
-                    out.add(p.pid)
+                    out[p.pid] = " ".join(cmd)[:120]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return out
+
+
+def _is_rank(cmd: list[str]) -> bool:
+    return "monarch_nb.worker" in cmd or ("monarch_nb.cli" in cmd and "worker" in cmd)
+
+
+def worker_pids() -> set[int]:
+    """PIDs of the monarch_nb rank processes started by this test session."""
+    return set(session_procs(_is_rank))
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.02,
@@ -72,50 +87,32 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: f
         time.sleep(interval)
 
 
-def session_pids() -> dict[int, str]:
-    """Every live process this test session started, whatever it is (ranks,
-    agents, kernels, browsers, sshd and its sessions, slurm and munge
-    daemons): those whose environment carries this session's tag, but this
-    process. pid -> its command line."""
-    out = {}
-    me = os.getpid()
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if p.pid == me or p.environ().get("MONARCH_NB_TEST_SESSION") != SESSION_TAG:
-                continue
-            if p.status() != psutil.STATUS_ZOMBIE:
-                out[p.pid] = " ".join(p.info["cmdline"] or [])[:120]
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return out
+def _outlived(find: Callable[[], dict[int, str]], deadline: float) -> dict[int, str]:
+    """What ``find`` still finds at ``deadline`` (waited for until then):
+    killed, so the machine stays usable, and returned, to fail loudly."""
+    left = find()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = find()
+    for pid in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).kill()
+    return left
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_orphans() -> Iterator[None]:
-    before = worker_pids()
-    others = set(session_pids())  # (none, unless a helper was started at import)
+    ranks_before = worker_pids()
+    others = set(session_procs())  # (none, unless a helper was started at import)
     yield
     deadline = time.monotonic() + 10
-    while worker_pids() - before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    leaked = worker_pids() - before
-    for pid in leaked:  # clean up so the machine is usable, then fail loudly
-        try:
-            psutil.Process(pid).kill()
-        except psutil.NoSuchProcess:
-            pass
+    leaked = _outlived(lambda: {pid: cmd for pid, cmd in session_procs(_is_rank).items()
+                                if pid not in ranks_before}, deadline)
     assert not leaked, f"rank processes outlived the test session: {sorted(leaked)}"
-    # Nor anything else the tests started (a test engine's daemon or one of
-    # its sessions, a kernel, a browser): waited for, then killed and named.
-    left = {pid: cmd for pid, cmd in session_pids().items() if pid not in others}
-    while left and time.monotonic() < deadline + 10:
-        time.sleep(0.2)
-        left = {pid: cmd for pid, cmd in session_pids().items() if pid not in others}
-    for pid in left:
-        try:
-            psutil.Process(pid).kill()
-        except psutil.NoSuchProcess:
-            pass
+    # Nor anything else the tests started (a test engine's daemon, a kernel,
+    # a browser)
+    left = _outlived(lambda: {pid: cmd for pid, cmd in session_procs().items()
+                              if pid not in others}, deadline + 10)
     assert not left, f"processes the tests started outlived the test session: {left}"
 
 
