@@ -13,10 +13,12 @@ Non-goals: no I/O beyond ``os.environ`` and reading the key file.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import stat
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from .errors import UsageError
 
@@ -45,6 +47,9 @@ ENV_GPU_IPC = "MONARCH_NB_GPU_IPC"  # "1": local ranks send CUDA tensors by IPC 
 ENV_LINK_FD = "MONARCH_NB_LINK_FD"  # local ranks: the fd of their end of the link (wire/link.py)
 # ranks behind a host agent: the fd of their end of the control link (wire/hostrelay.py)
 ENV_CTL_LINK_FD = "MONARCH_NB_CTL_LINK_FD"
+# a kept mesh's rank (engine/kept.py): the epoch of the controller that started it
+ENV_KEPT_EPOCH = "MONARCH_NB_KEPT_EPOCH"
+ENV_CONTROLLER_PID = "MONARCH_NB_CONTROLLER_PID"  # shared memory's peer, when not the parent
 # CurveZMQ (non-loopback meshes): the controller's public key and this rank's
 # client key pair, Z85 text. The secret travels like the HMAC key: environment
 # or 0600 file, never argv.
@@ -125,6 +130,13 @@ class MeshConfig:
         the call path, about half the CPU of a no-op call. Messages on it are
         signed and verified all the same. ``False`` puts every rank on
         ZeroMQ (to compare, or to debug the transport).
+    name, keep_alive: a *kept* mesh (docs/kept-meshes.md): its ranks belong to
+        this machine's host agent and outlive the controller (a kernel
+        restarted, shut down or killed) for ``keep_alive`` seconds (default
+        1800 when only ``name`` is given; ``"30m"``-style strings are read
+        by :func:`parse_duration`); ``Mesh.attach(name)`` from any process
+        of the same user on this machine takes it over. Without a
+        controller for that long every process of the mesh exits.
     relay: a *remote* rank's channels go through its host's agent
         (wire/hostrelay.py): one connection per host, one message per host
         for a call to its ranks, batched results and heartbeats. Signed end
@@ -159,6 +171,8 @@ class MeshConfig:
     relay: bool = True
     spare_hosts: tuple[str, ...] = ()
     host_timeout: float = 5.0
+    name: str | None = None
+    keep_alive: float | None = None
 
     def __post_init__(self) -> None:
         if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1):
@@ -206,9 +220,56 @@ class MeshConfig:
         if self.spare_hosts and self.launcher not in ("ssh", "slurm"):
             raise UsageError("spare hosts need --launcher ssh or slurm (the local launcher runs "
                              "on this machine only)")
+        if self.name is not None or self.keep_alive is not None:
+            self._check_kept()
         if not _valid_bind(self.bind):
             raise UsageError(f"bind address {self.bind!r} is not a host name, an IP address "
                              "or * (every interface)")
+
+    def _check_kept(self) -> None:
+        if self.name is None:
+            raise UsageError("keep_alive needs a name to attach by: Mesh.start(name=\"exp1\", "
+                             "keep_alive=1800), or %monarch start --name exp1 --keep-alive 30m")
+        if not isinstance(self.name, str) or not KEPT_NAME.fullmatch(self.name):
+            raise UsageError(f"mesh name {self.name!r}: use letters, digits, '.', '_' or '-' "
+                             "(up to 64, starting with a letter or digit)")
+        if self.keep_alive is None:
+            object.__setattr__(self, "keep_alive", DEFAULT_KEEP_ALIVE)
+        elif isinstance(self.keep_alive, str):
+            object.__setattr__(self, "keep_alive", parse_duration(self.keep_alive))
+        value = self.keep_alive
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise UsageError(f"keep_alive must be a positive number of seconds (or a duration "
+                             f"such as 90s, 30m, 2h), not {value!r}")
+        if self.launcher != "local":
+            raise UsageError("a kept mesh (name=, keep_alive=) runs on this machine for now "
+                             "(--launcher local); across hosts, start it without a name")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON values (a kept mesh's record: procs/keptfiles.py)."""
+        import dataclasses
+
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MeshConfig:
+        """:meth:`to_dict` read back (lists made tuples again); unknown keys
+        (a record of another version) are left out."""
+        import dataclasses
+
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        for name in ("hosts", "spare_hosts"):
+            if isinstance(values.get(name), list):
+                values[name] = tuple(values[name])
+        if isinstance(values.get("extra_env"), list):
+            values["extra_env"] = tuple(tuple(pair) for pair in values["extra_env"])
+        return cls(**values)
+
+    @property
+    def kept(self) -> bool:
+        """The mesh outlives its controller (``name``, ``keep_alive``)."""
+        return self.name is not None
 
     @property
     def encrypted(self) -> bool:
@@ -229,6 +290,26 @@ def _valid_bind(bind: object) -> bool:
         return True
     except ValueError:
         return re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", bind) is not None
+
+
+KEPT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+DEFAULT_KEEP_ALIVE = 1800.0  # a kept mesh given only a name waits 30 min for a controller
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``90``, ``90s``, ``30m``, ``2h``, ``1h30m`` or ``1.5h``;
+    UsageError for anything else (the message shows the forms)."""
+    raw = text.strip().lower() if isinstance(text, str) else ""
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([smhd]?)", raw)
+    if (not raw or not parts or "".join(n + u for n, u in parts) != raw.replace(" ", "")
+            or (len(parts) > 1 and not all(u for _, u in parts))):
+        raise UsageError(f"{text!r} is not a duration: use seconds or a number with s, m, h "
+                         "or d (90s, 30m, 2h, 1h30m)")
+    seconds = sum(float(n) * _UNITS[u or "s"] for n, u in parts)
+    if not seconds > 0:
+        raise UsageError(f"{text!r}: a duration must be more than 0 seconds")
+    return seconds
 
 
 def check_hang_timeout(value: float | None) -> None:
@@ -264,6 +345,8 @@ class RankEnv:
     gpu_ipc: bool = False  # CUDA tensors by IPC handle with the controller (a local GPU rank)
     link_fd: int | None = None  # a local rank's end of its link (wire/link.py), else a DEALER
     ctl_link_fd: int | None = None  # a rank behind a host agent: its control link, else a DEALER
+    kept_epoch: int | None = None  # a kept mesh's rank: its first controller's epoch
+    controller_pid: int | None = None  # shared memory's peer when its parent is an agent
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> RankEnv:
@@ -298,6 +381,9 @@ class RankEnv:
             link_fd=int(env[ENV_LINK_FD]) if env.get(ENV_LINK_FD, "").isdigit() else None,
             ctl_link_fd=(int(env[ENV_CTL_LINK_FD]) if env.get(ENV_CTL_LINK_FD, "").isdigit()
                          else None),
+            kept_epoch=int(env[ENV_KEPT_EPOCH]) if env.get(ENV_KEPT_EPOCH, "").isdigit() else None,
+            controller_pid=(int(env[ENV_CONTROLLER_PID])
+                            if env.get(ENV_CONTROLLER_PID, "").isdigit() else None),
         )
 
 

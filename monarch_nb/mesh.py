@@ -56,7 +56,7 @@ from .errors import (
 )
 from .flight import RING_SIZE
 from .futures import MeshFuture
-from .procs import agents, launchers, limits
+from .procs import agents, keptfiles, launchers, limits
 from .results import RankResults
 from .selection import format_ranks, parse_ranks
 from .stacks import Stacks
@@ -298,9 +298,15 @@ class Mesh(_RankSet):
     def start(cls, n: int | None = None, backend: str = "auto", respawn: str = "rank",
               launcher: str | launchers.Launcher = "local", hosts: Iterable[str] | str = (), *,
               progress: Callable[[list[RankInfo]], None] | None = None,
+              name: str | None = None, keep_alive: float | str | None = None,
               **options: Any) -> Mesh:
         """Start ``n`` ranks and wait until they joined their torch.distributed
         group. ``n`` defaults to the visible GPUs, else min(4, CPU cores).
+        ``name``, ``keep_alive``: a *kept* mesh, which outlives this process
+        (a kernel restarted, shut down or killed) for ``keep_alive`` seconds
+        (``"30m"``, ``"2h"``; default 30 min) and which :meth:`attach` takes
+        over from any process of yours on this machine
+        (docs/kept-meshes.md).
         ``launcher``: a name, or a :class:`~monarch_nb.procs.launchers.Launcher`
         object that starts the ranks its own way (benchmarks/simranks.py
         hosts many simulated ranks in a few processes); with an object,
@@ -313,7 +319,8 @@ class Mesh(_RankSet):
             raise UsageError("Mesh.start with a Launcher object needs n (the number of ranks)")
         cfg = MeshConfig(n=n, backend=backend, respawn=respawn,  # type: ignore[arg-type]
                          launcher="local" if custom is not None else launcher,  # type: ignore[arg-type]
-                         hosts=tuple(hosts), **options)
+                         hosts=tuple(hosts), name=name,
+                         keep_alive=keep_alive, **options)  # type: ignore[arg-type]
         if custom is not None:
             spawner, world = custom, cfg.n or 0
         else:
@@ -331,16 +338,57 @@ class Mesh(_RankSet):
         for notice in (limits.log_space_notice(ctl.supervisor.log_dir), ctl.gpu_ipc_notice):
             if notice:
                 print(notice, file=sys.stderr)
+        if cfg.kept:
+            _refuse_taken_name(cfg.name)
         try:
             ctl.start(progress)
+            if cfg.kept:
+                ctl.write_record()
         except BaseException:
             ctl.stop(grace=1.0)
             raise
+        return cls._keep(ctl)
+
+    @classmethod
+    def _keep(cls, ctl: Controller) -> Mesh:
         mesh = cls(ctl)
         if not _live_meshes and not _atexit_registered:
             _register_stop_at_exit()
         _live_meshes[mesh] = None
         return mesh
+
+    # -- kept meshes (docs/kept-meshes.md) ----------------------------------------------------
+    @classmethod
+    def attach(cls, name: str, force: bool = False) -> Mesh:
+        """Take over kept mesh ``name`` (started with ``name=`` and
+        ``keep_alive=`` by any process of yours on this machine): the same
+        rank processes, with their variables and group; supervision resumes
+        at once. Calls that ran while nobody was attached come back as
+        :meth:`pending` futures. Refused while another controller is
+        attached, naming it; ``force=True`` takes over (that controller's
+        next call says so)."""
+        if not isinstance(name, str):
+            raise UsageError(f"attach() needs the kept mesh's name, got {name!r}")
+        for mesh in list(_live_meshes):
+            if mesh.running and mesh.config.name == name:
+                return mesh  # this process holds it already
+        return cls._keep(Controller.attach(name, force=force))
+
+    def detach(self) -> None:
+        """Let this kept mesh go without stopping it: its ranks and the calls
+        they run go on under their host agent; its ``keep_alive`` lease starts.
+        ``Mesh.attach(name)`` takes it back."""
+        if self._ctl.keep is None:
+            raise UsageError("only a kept mesh can be detached (start it with name= and "
+                             "keep_alive=); this one would stop with its controller")
+        self._ctl.detach()
+        _live_meshes.pop(self, None)
+
+    def pending(self) -> list[MeshFuture]:
+        """The calls begun before this controller attached (they ran, or
+        still run, while none was attached), as futures, oldest first. Empty
+        for a mesh this process started."""
+        return [] if self._ctl.keep is None else self._ctl.keep.pending()
 
     @classmethod
     def current(cls) -> Mesh:
@@ -580,6 +628,11 @@ class Mesh(_RankSet):
 
     # -- internals -------------------------------------------------------------
     def _live(self) -> Controller:
+        keep = self._ctl.keep
+        if keep is not None and keep.taken:
+            name = self.config.name
+            raise MeshNotRunning(f"kept mesh {name!r} was {keep.taken}; Mesh.attach({name!r}, "
+                                 f"force=True) (%monarch attach {name} --force) takes it back")
         if self._ctl.stopped:
             raise MeshNotRunning("this mesh was stopped; start a new one with Mesh.start() "
                                  "or %monarch start")
@@ -666,6 +719,15 @@ class Mesh(_RankSet):
         return where
 
 
+    # (last in the class: the name would hide the builtin in annotations below it)
+    @staticmethod
+    def list() -> list[dict[str, Any]]:
+        """The kept meshes of this user on this machine: one dict each with
+        ``name``, ``ranks``, ``hosts``, ``started`` (seconds since 1970),
+        ``attached`` (``"pid P on H since T"``, or ``""``) and ``lease_left``
+        (seconds before a detached mesh ends; None while attached)."""
+        return keptfiles.list_meshes()
+
 _live_meshes: dict[Mesh, None] = {}  # insertion-ordered: the newest last
 _atexit_registered = False
 
@@ -743,8 +805,20 @@ def _syntax_error(exc: SyntaxError, code: str) -> MonarchError:
 
 
 def stop_all() -> None:
+    """At exit: every mesh stops, but a kept one is let go (it outlives us)."""
     for mesh in list(_live_meshes):
-        mesh.stop()
+        if mesh._ctl.keep is not None:
+            mesh._ctl.detach()
+            _live_meshes.pop(mesh, None)
+        else:
+            mesh.stop()
+
+
+def _refuse_taken_name(name: str | None) -> None:
+    if name is not None and any(m["name"] == name for m in keptfiles.list_meshes()):
+        raise UsageError(f"a kept mesh named {name!r} runs already; attach to it "
+                         f"(Mesh.attach({name!r}), %monarch attach {name}) or stop it "
+                         f"(monarch-nb stop {name}) first")
 
 
 __all__ = ["Mesh", "RankResults", "SubMesh", "Event", "RankErrors", "stop_all"]

@@ -30,7 +30,9 @@ making a rank's answer (assembler.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import secrets
 import signal as signal_mod
 import threading
@@ -40,9 +42,10 @@ from typing import Any
 
 from ..backends import BackendInfo
 from ..config import LOOPBACK, MeshConfig
-from ..errors import MonarchError
+from ..errors import MonarchError, UsageError
 from ..futures import MeshFuture
-from ..procs import liveness, logdirs
+from ..procs import keptfiles, liveness, logdirs
+from ..procs.agents import AgentLauncher, HomeLauncher, HostAgent, KeptDoor
 from ..procs.launchers import Launcher, LocalLauncher
 from ..procs.supervisor import Supervisor
 from ..wire import gpuipc
@@ -56,6 +59,7 @@ from .calls.calltable import CallTable, PendingCall
 from .calls.dataplane import DataPlane
 from .calls.output import CallOutput
 from .inspector import Inspector
+from .keep import Keep, new_epoch
 from .life.events import Event, EventKind
 from .life.policy import RestartPolicy
 from .life.rankstates import GONE, LIVE, ON_ITS_WAY, RankState
@@ -72,13 +76,20 @@ class Controller:
     """Builds and runs the parts of one mesh (see the module docstring)."""
 
     def __init__(self, cfg: MeshConfig, backend: BackendInfo, world_size: int,
-                 launcher: Launcher | None = None) -> None:
+                 launcher: Launcher | None = None, *,
+                 record: keptfiles.Record | None = None, force: bool = False) -> None:
+        """``record``: attach to that kept mesh (:meth:`attach`), taking it
+        over from another controller with ``force``."""
         self.cfg = cfg
         self.backend = backend
         self.world_size = world_size
-        self.key = new_key()
-        self.mesh_id = secrets.token_hex(4)
-        self.codec = Codec(self.key, "controller", max_bytes=cfg.max_message_bytes)
+        self.key = bytes.fromhex(record.key) if record is not None else new_key()
+        self.mesh_id = record.mesh_id if record is not None else secrets.token_hex(4)
+        self.record = record
+        # a kept mesh (controller/keep.py): this controller's epoch, its own signer
+        epoch = new_epoch() if cfg.kept else None
+        self.codec = Codec(self.key, "controller" if epoch is None else f"controller.{epoch}",
+                           max_bytes=cfg.max_message_bytes)
         # Non-loopback: CurveZMQ with this mesh's keys (wire/endpoints.py).
         self.curve = CurveKeys.generate() if cfg.encrypted else None
         if cfg.bind not in LOOPBACK and not cfg.encrypted:
@@ -86,12 +97,24 @@ class Controller:
                         "anyone on the network can read every message", cfg.bind)
         self.io = IOLoop(self.codec, self._on_message, bind=cfg.bind, on_tick=self._on_tick,
                          max_message_bytes=cfg.max_message_bytes, curve=self.curve,
-                         on_fold=self._on_fold, on_beats=self._on_beats)
+                         on_fold=self._on_fold, on_beats=self._on_beats,
+                         port=record.port if record is not None else None)
+        if cfg.kept and (launcher is None or isinstance(launcher, LocalLauncher)):
+            # the ranks belong to this machine's agent, which outlives us
+            assert cfg.name is not None and cfg.keep_alive is not None
+            launcher = AgentLauncher(
+                HomeLauncher(cfg.name, cfg.keep_alive), [], cfg.host_timeout, cfg.spare,
+                cfg.controller_timeout,
+                door=KeptDoor(cfg.name, self.key, start=record is None, force=force,
+                              on_taken=self._taken, log_hint=keptfiles.log_dir(cfg.name)))
         logdirs.sweep()  # log directories left by controllers that were killed
         self.supervisor = Supervisor(
             world_size=world_size, backend=backend, controller_endpoint=self.io.endpoint,
             key=self.key, mesh_id=self.mesh_id, master_port=free_port(),
-            controller_timeout=cfg.controller_timeout,
+            # a kept mesh's rank outlives us: its agent ends it with the lease
+            controller_timeout=(cfg.controller_timeout if cfg.keep_alive is None
+                                else cfg.keep_alive + 60.0),
+            kept_epoch=epoch,
             extra_env={**dict(cfg.extra_env), **(self.curve.rank_env() if self.curve else {})},
             max_message_bytes=cfg.max_message_bytes, launcher=launcher or LocalLauncher(),
             restart_budget=cfg.restart_budget,
@@ -123,7 +146,7 @@ class Controller:
         self.liveness = liveness.Liveness(
             cfg.heartbeat_timeout,
             look_after=min(liveness.LOOK_AFTER_S, cfg.heartbeat_timeout / 2))
-        self.calls = CallTable()
+        self.calls = CallTable(first_id=1 if epoch is None else epoch << 32)
         self.metrics = MetricsStore(world_size)  # mnb.log series (metricstore.py)
         self.default_output: CallOutput | None = None  # for output outside calls
         self.announce: Callable[[str], None] | None = None  # also print notes here
@@ -144,6 +167,8 @@ class Controller:
         self.assembler = Assembler(self.calls, self.dataplane, self.metrics, self.io.send,
                                    self.codec, self._pid_of,
                                    default_output=lambda: self.default_output)
+        self.keep = (Keep(cfg.name, epoch, self.calls, self.ranks, self.caller.interrupt)
+                     if cfg.name is not None and epoch is not None else None)
         self._on_result = self.assembler.on_result  # bound once: every call's path
         self.calls.on_ranks_done = self._ranks_done
         self.calls.on_finished = self._call_finished
@@ -312,7 +337,10 @@ class Controller:
             if where is not None:
                 where[info.rank] = str(meta_of(msg, Kind.INTERRUPTED).get("where", ""))
         elif kind == Kind.HELLO:
-            info.host = str(meta_of(msg, Kind.HELLO).get("host", ""))
+            hello = meta_of(msg, Kind.HELLO)
+            info.host = str(hello.get("host", ""))
+            if self.keep is not None and "kept" in hello:  # a kept rank to us, attaching
+                self.keep.on_hello(info.rank, dict(hello))
         elif kind == Kind.READY:
             if info.state in ON_ITS_WAY:
                 self.recovery.on_ready(info, msg)
@@ -389,10 +417,17 @@ class Controller:
         self.recovery.tick(now)
         if now - self._last_ping >= self.cfg.heartbeat_interval:
             self._last_ping = now
+            keep = self.keep
             # one message per host behind agents (the same signed frames to each)
             self.io.send_many([info.ctl_id for info in self.ranks
                                if info.state in LIVE or info.state in ON_ITS_WAY],
-                              self.codec.sign(Kind.PING))
+                              self.codec.sign(Kind.PING) if keep is None else
+                              self.codec.sign(Kind.PING, meta=keep.ping_meta()))
+            if keep is not None:
+                state = keep.state_due(now)
+                home = self._home()
+                if state is not None and home is not None:
+                    home.send("keep", state=state)
         pending = False
         for call in self.calls:
             call.output.flush(now=now)
@@ -426,6 +461,149 @@ class Controller:
                               "the GIL or in native code (not killed)")
         elif verdict is liveness.Verdict.ALIVE and info.busy_silent:
             info.busy_silent = False
+
+    # -- a kept mesh (controller/keep.py) -----------------------------------------------------
+    @classmethod
+    def attach(cls, name: str, force: bool = False) -> Controller:
+        """A new controller for kept mesh ``name``: its ranks, its calls in
+        flight, its state (see :meth:`resume`)."""
+        record = keptfiles.read_record(name)
+        status = keptfiles.read_status(name)
+        if not keptfiles.agent_alive(status):
+            keptfiles.remove(name)
+            raise UsageError(f"kept mesh {name!r} is gone: nobody attached within its "
+                             "keep_alive, or it was stopped (its logs stay in "
+                             f"{keptfiles.log_dir(name)}); start a new one")
+        cfg = MeshConfig.from_dict(record.config)
+        backend = BackendInfo(**{**record.backend,
+                                 "devices": tuple(record.backend.get("devices", ()))})
+        ctl = cls(cfg, backend, record.world_size, record=record, force=force)
+        try:
+            ctl.resume()
+        except BaseException:
+            ctl._let_go()
+            raise
+        return ctl
+
+    def resume(self) -> None:
+        """Take over the kept mesh's ranks where they are: same processes,
+        same group; supervision resumes at once, then the calls they run or
+        kept a result of become ours (Keep.adopt)."""
+        keep, launcher = self.keep, self.supervisor.launcher
+        assert keep is not None and isinstance(launcher, AgentLauncher)
+        self.io.start()
+        agent = self.supervisor.spawner.call(launcher.open, "localhost",
+                                             self.supervisor.log_dir)
+        keep.restore(agent.attached.get("state") or {})
+        # the group's port: new processes join through a re-formation anyway
+        self.supervisor.reform(self.ranks.generation, free_port())
+        children = {int(c["rank"]): c for c in agent.attached.get("children") or []
+                    if 0 <= int(c["rank"]) < self.world_size}
+        self.recovery.started = True  # a death from now on is a death, not a failed start
+        done = threading.Event()
+
+        def take() -> None:
+            try:
+                for rank in range(self.world_size):
+                    child = children.get(rank)
+                    if child is None:  # never started by the agent: a fresh one
+                        self.recovery.start_process(rank, self.ranks[rank].incarnation)
+                        continue
+                    self._adopt_process(agent, child)
+            finally:
+                done.set()
+
+        self.io.call_soon(take)
+        done.wait(30)
+        missing = keep.wait_hellos()
+        for rank in sorted(missing):
+            log.warning("monarch_nb: rank %d did not answer the attach", rank)
+        adopted = threading.Event()
+        self.io.call_soon(lambda: (keep.adopt(), adopted.set()))
+        adopted.wait(5)
+        self.ranks.record(-1, EventKind.ATTACHED, f"pid {os.getpid()}, epoch {keep.epoch}")
+
+    def _adopt_process(self, agent: HostAgent, child: dict[str, Any]) -> None:
+        rank, inc = int(child["rank"]), int(child["inc"])
+        token = str(child["ident"]).rsplit(".", 1)[-1]
+        old = self.ranks[rank]
+        self.io.forget(old.main_id, old.ctl_id)
+        info = self.ranks.adopt(rank, inc, token)
+        log_path = os.path.join(self.supervisor.log_dir, f"rank{rank}.{inc}.log")
+        proc = self.supervisor.adopt(rank, inc, agent.adopt(child, log_path), log_path)
+        info.pid = proc.pid
+        info.ready_at = time.monotonic()
+        self.ranks.move(rank, RankState.READY)
+        if proc.popen.poll() is None:
+            assert self.keep is not None
+            self.keep.expect.add(rank)
+        if proc.pidfd is not None:
+            pidfd = proc.pidfd
+            self.io.watch_fd(pidfd, lambda: (self.recovery.on_exit(rank, proc), self._notify()))
+
+    def _home(self) -> HostAgent | None:
+        launcher = self.supervisor.launcher
+        return launcher.agents.get("localhost") if isinstance(launcher, AgentLauncher) else None
+
+    def detach(self) -> None:
+        """Let the kept mesh go on purpose: its ranks go on (calls in flight
+        included) under their agent, whose lease starts now."""
+        if self.stopped:
+            return
+        name = self.cfg.name
+        self._let_go(f"this controller detached from kept mesh {name!r}; its ranks go on: "
+                     f"Mesh.attach({name!r}) (%monarch attach {name}) and mesh.pending() "
+                     "give what they return", tell_agent=True)
+
+    def _taken(self, text: str) -> None:
+        """The agent says another controller took the mesh over (its reader thread)."""
+        if self.keep is not None:
+            self.keep.taken = text
+        name = self.cfg.name
+        threading.Thread(target=self._let_go, name="monarch-nb-taken", daemon=True, args=(
+            f"kept mesh {name!r} was {text}; attach again with Mesh.attach({name!r}, "
+            "force=True) to take it back",)).start()
+
+    def _let_go(self, why: str = "the attach failed", tell_agent: bool = False) -> None:
+        """Stop being this kept mesh's controller without stopping its ranks."""
+        if self.stopped:
+            return
+        self.stopped = True
+        self.recovery.stopped = True
+        self.io.give_back()
+        if self.io.thread.is_alive():
+            done = threading.Event()
+
+            def end_calls() -> None:
+                try:
+                    self.calls.stop(why)
+                finally:
+                    done.set()
+
+            self.io.call_soon(end_calls)
+            done.wait(2)
+        else:
+            self.calls.stop(why)
+        launcher = self.supervisor.launcher
+        if isinstance(launcher, AgentLauncher):
+            if tell_agent:
+                launcher.detach()
+            else:
+                launcher._closed = True
+        self.io.stop()  # the port is free for the next controller
+        self.supervisor.spawner.stop()
+        self.dataplane.close_all()
+        self.supervisor.cleanup_logs()
+        self._notify()
+
+    def write_record(self) -> None:
+        """A new kept mesh's record, once its ranks are ready (keptfiles.py)."""
+        cfg = self.cfg
+        assert cfg.name is not None and cfg.keep_alive is not None
+        port = int(self.io.endpoint.rsplit(":", 1)[1])
+        keptfiles.Record(cfg.name, self.key.hex(), self.mesh_id, self.world_size,
+                         dataclasses.asdict(self.backend), port, cfg.keep_alive,
+                         cfg.to_dict()).write()
 
     # -- helpers ---------------------------------------------------------------------------
     def _pid_of(self, rank: int) -> int | None:

@@ -50,7 +50,7 @@ from ..wire.metas import meta_of
 from ..wire.metricframes import encode as encode_metrics
 from ..wire.protocol import Codec, Kind, Message
 from . import context as _context
-from . import debug, flightrec, metrics, pgcompat, spare
+from . import debug, flightrec, kept, metrics, pgcompat, spare
 from .capture import OutputBuffer, RankStream
 from .health import HealthProbe
 from .membership import Membership
@@ -115,7 +115,12 @@ class Worker:
         # Shared memory with the controller (wire/shm.py): only a rank on its
         # controller's host, which knows the controller's pid, uses it. The
         # segments of results sent, by token, until the controller's RELEASE.
-        self.shm_peer = env.parent_pid if env.shm_threshold is not None else None
+        self.shm_peer = ((env.controller_pid or env.parent_pid) if env.shm_threshold is not None
+                         else None)
+        # A kept mesh's rank keeps what the next controller needs (engine/kept.py).
+        self.keeper = kept.Keeper(env.kept_epoch) if env.kept_epoch is not None else None
+        if self.keeper is not None:
+            self.metrics.history = collections.deque(maxlen=kept.MAX_POINTS)
         self.segments: dict[str, shm.Segment] = {}
         # CUDA results by IPC handle (wire/gpuipc.py): the shares stay
         # there, by token, until the controller copied them and says RELEASE.
@@ -330,6 +335,8 @@ class Worker:
             if "shm" in meta:  # the frames' positions move one down
                 for where in meta["shm"]["at"]:
                     where[0] += 1
+        if self.keeper is not None:  # until the controller is done with it
+            self.keeper.keep(call, dict(meta), payload)
         if payload:
             if self.env.curve is not None:  # encrypted: big frames go in pieces
                 payload, parts = chunks.split(payload)
@@ -413,24 +420,33 @@ class Worker:
                     except Exception:  # one bad request must not end the control thread
                         print(f"monarch_nb rank {env.rank}: serving a {msg.kind.value} "
                               f"request failed:\n{traceback.format_exc()}", file=sys.__stderr__)
+            # a kept mesh's rank with nobody listening keeps what it would send
+            away = self.keeper is not None and kept.detached(now, self.last_ping)
             chunk = self.output.take_chunk()
             if chunk is not None:
                 call, n, items = chunk
-                self._send_ctl(Kind.OUTPUT, call=call, meta={"n": n}, payload=[payloads.encode_output(items)])
+                if away:
+                    assert self.keeper is not None
+                    self.keeper.hold_output(call, {"n": -1}, [payloads.encode_output(items)])
+                else:
+                    self._send_ctl(Kind.OUTPUT, call=call, meta={"n": n},
+                                   payload=[payloads.encode_output(items)])
             prompt = self.prompt_out
             if prompt is not None:  # after the output: the listing shows above the box
                 self.prompt_out = None
                 self._send_ctl(Kind.PROMPT, call=prompt[0], meta={"prompt": prompt[1]})
             if now >= next_metrics:
                 next_metrics = now + METRICS_FLUSH_S
-                batch = self.metrics.take()
-                if batch is not None:
+                batch = self.metrics.take()  # (while away: only into the history)
+                if batch is not None and not away:
                     call, n, points = batch
                     self._send_ctl(Kind.METRICS, call=call, meta={"n": n},
                                    payload=[encode_metrics(points)])
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_S
-                self._send_ctl(Kind.HEARTBEAT, meta={"busy": self.running_call, "h": health.read()})
+                if not away:
+                    self._send_ctl(Kind.HEARTBEAT,
+                                   meta={"busy": self.running_call, "h": health.read()})
                 # (a ping waiting unread is not silence: after a long GIL
                 # hold by the main thread this thread runs on from where it
                 # was, and the pings of the hold are still to be read)
@@ -442,7 +458,10 @@ class Worker:
                     os._exit(3)
 
     def _control(self, msg: Message) -> None:
-        if msg.kind == Kind.INTERRUPT:
+        if msg.kind == Kind.PING:
+            if self.keeper is not None and msg.meta:
+                self._kept_ping(meta_of(msg, Kind.PING))
+        elif msg.kind == Kind.INTERRUPT:
             call = msg.call
             where = ""
             if self.running_call and (call == 0 or call == self.running_call):
@@ -477,6 +496,34 @@ class Worker:
                 seg.close()
             elif self.env.gpu_ipc:  # or the controller copied a CUDA result's tensor
                 gpuipc.release(tok)
+
+    def _kept_ping(self, meta: dict[str, Any]) -> None:
+        """A kept mesh's PING (engine/kept.py): a new controller's first one
+        is answered with HELLO (what runs, what was kept); ``resend`` sends
+        what was kept; ``low`` / ``done`` let go of what it has."""
+        keeper = self.keeper
+        assert keeper is not None
+        epoch = int(meta.get("ep", keeper.epoch))
+        if epoch != keeper.epoch:
+            keeper.epoch = epoch
+            if self.shm_peer is not None and meta.get("cp"):
+                self.shm_peer = int(meta["cp"])  # the new controller's segments
+            self._send_ctl(Kind.HELLO, meta={
+                "pid": os.getpid(), "incarnation": self.env.incarnation,
+                "host": os.uname().nodename, "running": self.running_call,
+                "kept": keeper.kept_calls()})
+        if "low" in meta:
+            keeper.done_with(int(meta["low"]), list(meta.get("done") or []))
+        if meta.get("resend") and keeper.resent_epoch != epoch:
+            keeper.resent_epoch = epoch
+            for call, m, payload in keeper.take_outbox():
+                self._send_ctl(Kind.OUTPUT, call=call, meta=m, payload=payload)
+            for call, m, payload in keeper.take_results():
+                self._send_ctl(Kind.RESULT, call=call, meta=m or None, payload=payload)
+            history = self.metrics.history
+            if history:
+                self._send_ctl(Kind.METRICS, meta={"n": -1},
+                               payload=[encode_metrics(list(history))])
 
     def _send_ctl(self, kind: Kind, *, call: int = 0, meta: dict[str, Any] | None = None,
                   payload: list[Any] | None = None) -> None:

@@ -65,6 +65,9 @@ class MetricsBuffer:
         # set by the first log(): until then a call skips begin/finish (the
         # worker's no-op path does not pay for a feature it does not use)
         self.used = False
+        # a kept mesh's rank keeps every point it sent (the newest ``KEPT``),
+        # for the controller that attaches next (engine/kept.py)
+        self.history: collections.deque[Point] | None = None
 
     def log(self, step: int | None, metrics: dict[str, Any]) -> None:
         if step is None:
@@ -92,7 +95,10 @@ class MetricsBuffer:
             self.thinned += len(raw) - len(kept)
             raw = kept
         now = time.time()
-        return [(step, now, values) for step, values in raw]
+        points = [(step, now, values) for step, values in raw]
+        if self.history is not None:
+            self.history.extend(points)
+        return points
 
     def take(self) -> tuple[int, int, list[Point]] | None:
         """For the control thread: ``(call, batch number, points)``, or None.

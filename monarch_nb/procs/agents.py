@@ -37,6 +37,7 @@ import itertools
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -120,7 +121,8 @@ class HostAgent:
     """One host's agent: its session, and the ranks it runs for us."""
 
     def __init__(self, host: str, argv: list[str], env: dict[str, str], log_path: str,
-                 host_timeout: float, route: Route | None = None) -> None:
+                 host_timeout: float, route: Route | None = None,
+                 door: KeptDoor | None = None) -> None:
         self.host, self.host_timeout = host, host_timeout
         # the routing id of its relay (unguessable, as a rank's), when routed
         self.route = route
@@ -132,6 +134,11 @@ class HostAgent:
         self.heard = time.monotonic()
         self._lock = threading.Lock()
         self.popen: subprocess.Popen[bytes] | None = None
+        # a kept mesh's agent (keptagent.py): what it said when we attached,
+        # and who took it over from us ("" while we hold it)
+        self.door = door
+        self.attached: dict[str, Any] = {}
+        self.taken = ""
         try:
             with open(log_path, "ab", buffering=0, opener=config.private) as log:
                 self.popen = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
@@ -140,7 +147,78 @@ class HostAgent:
         except OSError as exc:  # no ssh / srun here: a launch that fails loses the host at once
             self.lost = f"host {host} lost (its agent could not start: {exc})"
             return
+        if door is not None:
+            self._attach(door)  # before the reader: its answer is ours to read
         threading.Thread(target=self._read, name=f"monarch-nb-agent-{host}", daemon=True).start()
+
+    def _attach(self, door: KeptDoor) -> None:
+        """Through a kept agent's door: answer its challenge with the mesh
+        key, and read what it has (its ranks, the kept state). UsageError
+        (the popen ended) when refused."""
+        from .keptagent import attach_mac
+
+        assert self.popen is not None and self.popen.stdout is not None
+        self.send("door", key=door.key.hex(), start=door.start)
+        deadline = time.monotonic() + STARTED_TIMEOUT_S
+        while time.monotonic() < deadline:
+            line = self.popen.stdout.readline(agentwire.MAX_LINE + 1)
+            if not line:
+                break
+            try:
+                msg = agentwire.decode(line, agentwire.FROM_AGENT)
+            except ValueError:
+                self.dropped += 1
+                continue
+            if msg["op"] == "challenge":
+                self.send("attach", mac=attach_mac(door.key, msg["nonce"]), pid=os.getpid(),
+                          host=socket.gethostname(), force=door.force)
+            elif msg["op"] == "attached":
+                self.attached = {"children": msg["children"], "state": msg["state"]}
+                self.heard = time.monotonic()
+                return
+            elif msg["op"] == "refused":
+                self._end_door()
+                raise UsageError(msg["text"])
+        self._end_door()
+        raise UsageError(f"the agent of kept mesh {door.name!r} did not answer "
+                         f"(see its log in {door.log_hint})")
+
+    def _end_door(self) -> None:
+        assert self.popen is not None
+        if self.popen.stdin is not None:
+            self.popen.stdin.close()
+        try:
+            self.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
+    def adopt(self, child: dict[str, Any], log_path: str) -> RemoteRank:
+        """A handle on a process a kept mesh's agent already runs (attach)."""
+        handle = RemoteRank(self, int(child["sid"]), int(child["rank"]), int(child["inc"]),
+                            log_path)
+        handle.pid = int(child["pid"])
+        handle.started.set()
+        with self._lock:
+            self.processes[handle.sid] = handle
+            top = max(self.processes)
+            if next(self._sids) <= top:  # new spawns are numbered after the agent's
+                self._sids = itertools.count(top + 1)
+        if child.get("code") is not None:  # it died while nobody was attached
+            handle.ended(int(child["code"]))
+            self.processes.pop(handle.sid, None)
+        return handle
+
+    def detach(self) -> None:
+        """Let a kept agent go: it keeps the ranks (the lease starts)."""
+        self.send("detach")
+        with self._lock:
+            self.lost = self.lost or "detached"  # (nothing more is said to it)
+            if self.popen is not None and self.popen.stdin is not None:
+                try:
+                    self.popen.stdin.close()
+                except OSError:
+                    pass
 
     def send(self, op: str, **fields: Any) -> None:
         data = agentwire.encode(op, **fields)
@@ -168,7 +246,10 @@ class HostAgent:
             ident = env.get(config.ENV_IDENTITY) or f"r{rank}.{inc}"
             for channel in ("main", "ctl"):
                 self.route(f"{ident}.{channel}".encode(), self.relay_id.encode())
-        self.send("spawn", sid=handle.sid, rank=rank, inc=inc, env=_shipped(env), spare=spare,
+        shipped = _shipped(env)
+        if self.door is not None and config.ENV_SHM in env:  # this machine: shared memory
+            shipped[config.ENV_SHM] = env[config.ENV_SHM]
+        self.send("spawn", sid=handle.sid, rank=rank, inc=inc, env=shipped, spare=spare,
                   relay=self.relay_id)
         if not handle.started.wait(STARTED_TIMEOUT_S):
             self.lose(f"no answer to starting rank {rank} in {STARTED_TIMEOUT_S:.0f} s")
@@ -250,6 +331,11 @@ class HostAgent:
             return
         if op == "hello":
             return
+        if op == "taken":  # another controller holds the kept mesh now
+            self.taken = msg["text"]
+            if self.door is not None and self.door.on_taken is not None:
+                self.door.on_taken(msg["text"])
+            return
         handle = self.processes.get(msg["sid"])
         if handle is None:
             return  # not one we started
@@ -282,13 +368,54 @@ Route = Callable[[bytes, bytes], None]  # (a rank's main id, its agent's relay i
 
 
 @dataclass
+class KeptDoor:
+    """How a controller reaches a kept mesh's agent (keptagent.py): the mesh
+    key that answers its challenge, whether the door may start the agent
+    (a new mesh) and take the mesh over from another controller."""
+
+    name: str
+    key: bytes
+    start: bool = False
+    force: bool = False
+    on_taken: Callable[[str], None] | None = None
+    log_hint: str = ""
+
+
+@dataclass
+class HomeLauncher:
+    """A kept mesh's ranks on this machine, behind this machine's agent
+    (keptagent.py), which outlives the controller. Placement as the local
+    launcher's; the agent runs on "localhost" through its door."""
+
+    name: str  # the kept mesh's
+    keep_alive: float
+    nodes: list[str] = field(default_factory=lambda: ["localhost"])
+    remote: bool = False  # same machine: shared memory, loopback
+
+    @property
+    def per_node(self) -> int:
+        return 1 << 30
+
+    def placement(self, rank: int, world_size: int) -> Placement:
+        return Placement("localhost", 0, rank, world_size)
+
+    def master_addr(self, world_size: int) -> str:
+        return "127.0.0.1"
+
+    def agent_command(self, host: str, controller_timeout: float) -> list[str]:
+        return [sys.executable, "-m", "monarch_nb.agent", "--kept", self.name,
+                "--keep-alive", f"{self.keep_alive:g}",
+                "--controller-timeout", f"{controller_timeout:g}"]
+
+
+@dataclass
 class AgentLauncher:
     """Remote ranks through one agent per host (ssh or SLURM underneath).
     ``route``: set by the controller (its I/O loop's attach_relay) to carry
     the ranks' main channels through the agents; None: each rank connects
     its own DEALER."""
 
-    inner: SshLauncher | SlurmLauncher
+    inner: SshLauncher | SlurmLauncher | HomeLauncher
     spare_hosts: list[str] = field(default_factory=list)
     host_timeout: float = 5.0
     spare: bool = True
@@ -302,6 +429,13 @@ class AgentLauncher:
     _closed: bool = False
     relays: bool = True  # its ranks' main channels can go through the agents (``route``)
     route: Route | None = None
+    door: KeptDoor | None = None  # a kept mesh's: its agent is reached by its door
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inner, HomeLauncher):
+            # this machine: the ranks' own DEALERs to the controller (no
+            # relay hop), shared memory with it
+            self.remote = self.relays = False
 
     @property
     def name(self) -> str:
@@ -335,13 +469,23 @@ class AgentLauncher:
                 argv = self.inner.agent_command(host, self.controller_timeout)
                 log_path = os.path.join(os.path.dirname(log_name), f"agent-{host}.log")
                 agent = HostAgent(host, argv, _local_env(env), log_path, self.host_timeout,
-                                  self.route)
+                                  self.route, self.door)
                 self.agents[host] = agent
             if self._watch is None:
                 self._watch = threading.Thread(target=self._watcher, daemon=True,
                                                name="monarch-nb-agents")
                 self._watch.start()
             return agent
+
+    def open(self, host: str, log_dir: str) -> HostAgent:
+        """``host``'s agent, reached now (a kept mesh's, at attach: it runs
+        already). UsageError when its door refuses us."""
+        agent = self._agent(host, dict(os.environ), os.path.join(log_dir, "attach.log"))
+        if agent.lost and not agent.attached:
+            with self._lock:
+                self.agents.pop(host, None)
+            raise UsageError(agent.lost)
+        return agent
 
     def _watcher(self) -> None:
         """Ping every agent; declare the silent ones lost."""
@@ -376,6 +520,17 @@ class AgentLauncher:
         with self._lock:
             self.spare_hosts.extend(h for h in hosts if h not in self.spare_hosts)
 
+    def detach(self) -> None:
+        """A kept mesh's controller lets go: its agent keeps the ranks."""
+        self._closed = True
+        for agent in list(self.agents.values()):
+            agent.detach()
+            if agent.popen is not None:
+                try:
+                    agent.popen.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    agent.popen.kill()
+
     def close(self, grace: float) -> None:
         self._closed = True
         agents = list(self.agents.values())
@@ -403,4 +558,5 @@ def from_config(cfg: config.MeshConfig, n: int | None) -> tuple[Launcher, int]:
                          cfg.controller_timeout), world
 
 
-__all__ = ["AgentLauncher", "HostAgent", "LOST_CODE", "RemoteRank", "from_config"]
+__all__ = ["AgentLauncher", "HomeLauncher", "HostAgent", "KeptDoor", "LOST_CODE", "RemoteRank",
+           "from_config"]

@@ -44,6 +44,15 @@ TO_AGENT: dict[str, dict[str, type | tuple[type, ...]]] = {
     "ping": {},
     # stop: ranks still alive after ``grace`` seconds are killed, then the agent exits
     "stop": {"grace": (int, float)},
+    # a kept mesh (keptagent.py). door: the first line to a door process (the
+    # key goes to an agent it starts); attach: the answer to a challenge
+    # (``mac``: keptagent.attach_mac), who attaches, and whether it takes over
+    "door": {"key": str, "start": bool},
+    "attach": {"mac": str, "pid": int, "host": str, "force": bool},
+    # keep: what a new controller will need (setup cells, events, budgets),
+    # handed back in ``attached``; detach: the controller lets go on purpose
+    "keep": {"state": dict},
+    "detach": {},
 }
 
 # agent -> controller
@@ -57,6 +66,14 @@ FROM_AGENT: dict[str, dict[str, type | tuple[type, ...]]] = {
     # letter (R running, S sleeping, T stopped, Z zombie, D disk wait)
     "tick": {"states": dict},
     "error": {"text": str},
+    # a kept mesh's agent (keptagent.py): challenge to a controller that
+    # connects; attached: its ranks' processes (sid, rank, inc, pid, ident,
+    # code: None while alive) and the kept state; refused: why not (held by
+    # another controller, a wrong key); taken: another controller took over
+    "challenge": {"nonce": str},
+    "attached": {"children": list, "state": dict},
+    "refused": {"text": str},
+    "taken": {"text": str},
 }
 
 

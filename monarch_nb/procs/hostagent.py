@@ -48,7 +48,8 @@ from .. import config, flight
 from ..errors import UsageError
 from ..wire import link as links
 from ..wire.hostrelay import Relay
-from . import agentwire, spares
+from . import agentwire, keptagent, keptfiles, spares
+from .keptagent import Door
 from .liveness import os_state
 from .supervisor import kill_tree
 
@@ -103,6 +104,22 @@ class Child:
     log_path: str
     log_sent: int = 0  # bytes of its log already sent
     ended: bool = False
+    ident: str = ""  # its socket identity prefix (a kept mesh's new controller needs it)
+
+
+class DoorOut:
+    """A kept agent's channel out: whoever is attached through its door."""
+
+    def __init__(self) -> None:
+        self.door: Door | None = None
+
+    def write(self, data: bytes) -> int:
+        if self.door is not None:
+            self.door.write(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
 
 
 @dataclass
@@ -120,6 +137,7 @@ class Agent:
     spare_links: RankLinks | None = None  # the spare's links to our relay (if we relay)
     relay: Relay | None = None
     stopping: bool = False
+    door: Door | None = None  # a kept mesh's agent: controllers come and go (keptagent.py)
     _heard: float = field(default_factory=time.monotonic)  # the controller's last line
     _out_lock: threading.Lock = field(default_factory=threading.Lock)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -145,9 +163,19 @@ class Agent:
             except queue.Empty:
                 line = b""
                 if time.monotonic() - self._heard > self.controller_timeout:
-                    sys.stderr.write(f"monarch_nb agent: controller silent for "
-                                     f"{self.controller_timeout:.0f} s, stopping\n")
-                    break
+                    if self.door is None:
+                        sys.stderr.write(f"monarch_nb agent: controller silent for "
+                                         f"{self.controller_timeout:.0f} s, stopping\n")
+                        break
+                    if self.door.current is not None:  # kept: the lease starts instead
+                        sys.stderr.write(f"monarch_nb agent: controller silent for "
+                                         f"{self.controller_timeout:.0f} s, letting it go\n")
+                        self.door.let_go()
+                    self._heard = time.monotonic()
+            if self.door is not None and self.door.expired(time.monotonic()):
+                sys.stderr.write(f"monarch_nb agent: no controller attached for "
+                                 f"{self.door.keep_alive:g} s (keep_alive): the mesh ends\n")
+                break
             if line is None:
                 break  # end of file: the session is gone
             if line:
@@ -177,6 +205,10 @@ class Agent:
                 self.relay = Relay(msg["relay"], env[config.ENV_CONTROLLER],
                                    config.curve_keys(env), _max_bytes(env), _key(env))
             self.spawn(msg["sid"], msg["rank"], msg["inc"], env, bool(msg["spare"]))
+        elif op == "keep" and self.door is not None:
+            self.door.state = msg["state"]
+        elif op == "detach" and self.door is not None:
+            self.door.let_go()
         elif op == "signal":
             child = next((c for c in self.children.values() if c.sid == msg["sid"]), None)
             if child is None or child.ended:
@@ -235,7 +267,8 @@ class Agent:
             ident = spec.get(config.ENV_IDENTITY) or f"r{rank}.{inc}"
             self.relay.add(f"{ident}.main", pair.main)
             self.relay.add(f"{ident}.ctl", pair.ctl)
-        child = Child(sid, rank, inc, popen, log_path)
+        child = Child(sid, rank, inc, popen, log_path,
+                      ident=spec.get(config.ENV_IDENTITY) or f"r{rank}.{inc}")
         with self._lock:
             old = self.children.get(rank)
             self.children[rank] = child
@@ -283,6 +316,21 @@ class Agent:
             self._send_log(child)
             child.ended = True
         self.send("exit", sid=child.sid, code=code, flight=records)
+
+    def on_attach(self) -> dict[str, Any]:
+        """A controller attached to this kept mesh (keptagent.Door): its
+        ranks' processes and what the last controller asked to keep. Their
+        logs are sent again from the start (the new controller has none)."""
+        self._heard = time.monotonic()
+        with self._lock:
+            children = []
+            for child in self.children.values():
+                child.log_sent = 0
+                children.append({"sid": child.sid, "rank": child.rank, "inc": child.inc,
+                                 "pid": child.popen.pid, "ident": child.ident,
+                                 "code": child.popen.returncode if child.ended else None})
+        assert self.door is not None
+        return {"children": children, "state": self.door.state}
 
     # -- the ticker: states, logs, heartbeat ---------------------------------------------------
     def _ticker(self) -> None:
@@ -336,7 +384,10 @@ class Agent:
                 pass
         if self.relay is not None:
             self.relay.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if self.door is not None:
+            self.door.close()  # a kept mesh's logs stay (keptfiles.py)
+        else:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _key(env: dict[str, str]) -> bytes | None:
@@ -369,7 +420,17 @@ def main(argv: list[str] | None = None) -> int:
                                 description="A monarch_nb host agent (started by the launcher; "
                                             "it reads its orders on stdin).")
     p.add_argument("--controller-timeout", type=float, default=10.0)
+    p.add_argument("--kept", metavar="NAME", help="the door to kept mesh NAME's agent "
+                   "(keptagent.py): stdin and stdout are its channel")
+    p.add_argument("--serve-kept", metavar="NAME", help=argparse.SUPPRESS)
+    p.add_argument("--keep-alive", type=float, default=1800.0)
     ns = p.parse_args(argv)
+    tail = ["--keep-alive", f"{ns.keep_alive:g}", "--controller-timeout",
+            f"{ns.controller_timeout:g}"]
+    if ns.kept:
+        return keptagent.door_main(ns.kept, tail)
+    if ns.serve_kept:
+        return _serve_kept(ns.serve_kept, ns.keep_alive, ns.controller_timeout)
     # stdout is the channel: anything else printed goes to stderr (the agent's log)
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
@@ -379,6 +440,21 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=_read_lines, args=(sys.stdin.buffer, lines), daemon=True,
                      name="monarch-nb-agent-stdin").start()
     return Agent(out, ns.controller_timeout).run(lines)
+
+
+def _serve_kept(name: str, keep_alive: float, controller_timeout: float) -> int:
+    """A kept mesh's agent (keptagent.py): its own session, adopted by init,
+    its channel the door's socket."""
+    key = keptagent.read_daemon_key()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    lines: queue.Queue[bytes | None] = queue.Queue()
+    signal.signal(signal.SIGTERM, lambda *_: lines.put(None))  # `monarch-nb stop`, a shutdown
+    out = DoorOut()
+    agent = Agent(out, controller_timeout, folder=keptfiles.log_dir(name))  # type: ignore[arg-type]
+    door = keptagent.Door(name, key, keep_alive, lines, agent.on_attach, os.getpid())
+    out.door = agent.door = door
+    return agent.run(lines)
 
 
 __all__ = ["Agent", "main"]

@@ -84,6 +84,7 @@ class Supervisor:
     shm_threshold: int | None = None  # local ranks only (wire/shm.py)
     gpu_ipc: bool = False  # local ranks only (wire/gpuipc.py)
     local_links: bool = True  # local ranks' main channel is a link (wire/link.py)
+    kept_epoch: int | None = None  # a kept mesh: its controller's epoch (engine/kept.py)
     restart_budget: int = config.MeshConfig.restart_budget  # torchrun's TORCHELASTIC_MAX_RESTARTS
     extra_env: dict[str, str] = field(default_factory=dict)
     launcher: Launcher = field(default_factory=LocalLauncher)
@@ -159,6 +160,9 @@ class Supervisor:
         env.pop(config.ENV_SHM, None)
         env.pop(config.ENV_GPU_IPC, None)  # never inherited from the kernel's environment
         env.pop(config.ENV_LINK_FD, None)  # set by spawn for the rank's own link
+        if self.kept_epoch is not None:  # a kept mesh: its parent is the agent, not us
+            env[config.ENV_KEPT_EPOCH] = str(self.kept_epoch)
+            env[config.ENV_CONTROLLER_PID] = str(os.getpid())
         if self.launcher.remote:
             env.pop(config.ENV_PARENT_PID, None)  # its parent is ssh/srun's, not us
         else:
@@ -185,7 +189,7 @@ class Supervisor:
     def start_spare(self) -> None:
         """Start a spare process for the next respawn (see spares.py). Local
         ranks only: a remote rank's interpreter starts on its node."""
-        if self.closed or self.launcher.remote or (
+        if self.closed or self.launcher.remote or isinstance(self.launcher, AgentLauncher) or (
                 self.spare is not None and self.spare.poll() is None):
             return
         env = dict(os.environ)
@@ -276,6 +280,14 @@ class Supervisor:
             if not self.closed:
                 return proc
         self.kill_proc(proc)  # the mesh stopped while it started
+        return proc
+
+    def adopt(self, rank: int, incarnation: int, handle: RemoteRank, log_path: str) -> RankProcess:
+        """A kept mesh's process its agent already runs (controller/keep.py)."""
+        proc = RankProcess(rank, incarnation, handle, log_path, pidfd=handle.exit_fd)
+        with self._lock:
+            self.procs[rank] = proc
+            self.history.append(proc)
         return proc
 
     def _start_rank(self, rank: int, env: dict[str, str],
@@ -558,6 +570,8 @@ def kill_tree(leader: int, sig: int = signal.SIGKILL) -> None:
     """Send ``sig`` to the process group ``leader`` started (a rank or a
     spare: each leads its own session), i.e. to everything it forked that
     did not leave the group; nothing if the group is empty."""
+    if leader <= 0:  # not started (a remote handle's pid 0): never our own group
+        return
     try:
         os.killpg(leader, sig)
     except (ProcessLookupError, PermissionError):

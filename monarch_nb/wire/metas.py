@@ -39,6 +39,16 @@ class HelloMeta(TypedDict, total=False):
     pid: int
     incarnation: int
     host: str
+    running: int  # a kept mesh's rank to a new controller: the call it runs
+    kept: list[Any]  # ...and the calls whose RESULT it kept
+
+
+class PingMeta(TypedDict, total=False):
+    ep: int  # a kept mesh's controller epoch (controller/keep.py)
+    cp: int  # its pid
+    low: int  # calls below this one are done with
+    done: list[Any]  # and these
+    resend: bool  # send what was kept now
 
 
 class ReadyMeta(TypedDict, total=False):
@@ -115,7 +125,7 @@ TYPES: dict[Kind, type] = {
     Kind.HEARTBEAT: HeartbeatMeta, Kind.INTERRUPTED: InterruptedMeta,
     Kind.STACKS_REPLY: StacksReplyMeta, Kind.REFORM: ReformMeta,
     Kind.REFORMED: ReformedMeta, Kind.INPUT: InputMeta, Kind.PROMPT: PromptMeta,
-    Kind.RELEASE: ReleaseMeta,
+    Kind.RELEASE: ReleaseMeta, Kind.PING: PingMeta,
 }
 
 
@@ -127,6 +137,8 @@ def meta_of(msg: Message, kind: Literal[Kind.EXEC]) -> ExecMeta: ...
 def meta_of(msg: Message, kind: Literal[Kind.STACKS]) -> StacksMeta: ...
 @overload
 def meta_of(msg: Message, kind: Literal[Kind.HELLO]) -> HelloMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.PING]) -> PingMeta: ...
 @overload
 def meta_of(msg: Message, kind: Literal[Kind.READY]) -> ReadyMeta: ...
 @overload

@@ -73,12 +73,14 @@ class Kind(str, enum.Enum):
     EXEC = "exec"  # run cell code (payload: the code; meta: code (before
     # exec_parts moves it to payload 0), name, setup, elastic, generation, check)
     INTERRUPT = "interrupt"  # raise KeyboardInterrupt in the main thread for call c
-    PING = "ping"  # controller liveness; ranks exit when pings stop
+    PING = "ping"  # controller liveness; ranks exit when pings stop (meta of a kept
+    # mesh: ep, cp, low, done, resend)
     STOP = "stop"  # leave cleanly
     STACKS = "stacks"  # return every thread's stack (meta flight: N: also the flight
     # recorder's newest N records, as a JSON payload frame of the reply)
 
-    HELLO = "hello"  # rank process is up (meta: pid, incarnation, host)
+    HELLO = "hello"  # rank process is up (meta: pid, incarnation, host; to a controller
+    # that attached to a kept mesh also running, kept)
     READY = "ready"  # rank joined torch.distributed (meta: device, pid)
     FAILED_START = "failed_start"  # rank could not start (meta: error, tb)
     RESULT = "result"  # call c finished (meta: ok, error, n_out, n_m, o, shm,
@@ -124,7 +126,14 @@ META: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.EXEC: {"code": _S, "name": _S, "setup": _B, "elastic": _B, "generation": _I,
                 "check": _I},
     Kind.STACKS: {"flight": _I},  # also the newest N flight-recorder records
-    Kind.HELLO: {"pid": _I, "incarnation": _I, "host": _S},
+    # HELLO of a kept mesh's rank to a controller that attached (engine/kept.py):
+    # running: the call it runs (0: idle), kept: the calls whose RESULT it holds
+    Kind.HELLO: {"pid": _I, "incarnation": _I, "host": _S, "running": _I, "kept": _L},
+    # PING of a kept mesh (controller/keep.py): ep: the controller's epoch (a new
+    # one is a new controller: say HELLO), cp: its pid (shared memory's peer),
+    # low / done: the calls it has done with (their kept RESULTs are dropped),
+    # resend: send what you kept for this controller now
+    Kind.PING: {"ep": _I, "cp": _I, "low": _I, "done": _L, "resend": _B},
     Kind.READY: {"device": _S, "pid": _I},
     Kind.FAILED_START: {"error": _S, "tb": _S},
     # RESULT: ok (default true), error {type, msg, tb} when not ok, n_out / n_m:

@@ -69,6 +69,21 @@ LINGER_S = 0.005
 BUSY_RETRY_S = 0.02
 
 
+def _bind_again(sock: zmq.Socket, endpoint: str, wait: float = 5.0) -> None:
+    """Bind ``endpoint``, waiting up to ``wait`` s for a controller that is
+    letting it go (a takeover: the old controller closes its socket when
+    the agent tells it)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class IOLoop:
     """The controller's I/O thread and ROUTER socket."""
 
@@ -83,6 +98,7 @@ class IOLoop:
         curve: CurveKeys | None = None,
         on_fold: FoldHandler | None = None,
         on_beats: BeatsHandler | None = None,
+        port: int | None = None,
     ) -> None:
         self.codec = codec
         self._on_message = on_message
@@ -114,12 +130,19 @@ class IOLoop:
         if ":" in host:
             self.router.setsockopt(zmq.IPV6, 1)
         try:
-            port = self.router.bind_to_random_port(f"tcp://{host}")
+            if port is None:
+                port = self.router.bind_to_random_port(f"tcp://{host}")
+            else:  # a kept mesh's: its ranks reconnect to it (controller/keep.py)
+                _bind_again(self.router, f"tcp://{host}:{port}")
         except zmq.ZMQError as exc:
             for sock in (self.router, self.zap):
                 if sock is not None:
                     sock.close(linger=0)
             self.ctx.term()
+            if exc.errno == errno.EADDRINUSE and port is not None:
+                raise UsageError(f"port {port}, where this kept mesh's ranks reconnect, is in "
+                                 "use by another process; stop it, or stop the mesh with "
+                                 "monarch-nb stop NAME") from None
             if exc.errno == errno.EADDRINUSE:  # a port of the kernel's choosing: none left
                 raise no_free_port(f"the controller on {host}") from None
             raise UsageError(f"cannot bind the controller to {bind!r}: {exc}; use an address "

@@ -134,7 +134,7 @@ class Assembler:
             else:
                 self.calls.complete(call, info.rank, value)
             return
-        if call.chunks_seen.get(info.rank, 0) < announced(msg):
+        if not call.adopted and call.chunks_seen.get(info.rank, 0) < announced(msg):
             call.hold(info.rank, msg)  # output chunks still on their way
             return
         self._complete_rank(call, info, msg)

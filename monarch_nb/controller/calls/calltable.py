@@ -18,6 +18,7 @@ Non-goals: sending (core.py, caller.py), deciding about deaths (policy.py).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import time
@@ -66,6 +67,10 @@ class PendingCall:
     progress_at: float = field(default_factory=time.monotonic)  # output, result, prompt
     sent: bool = False  # False while it waits for ranks (or a re-formation)
     internal: bool = False  # a setup replay: not the user's call
+    # begun by an earlier controller of a kept mesh (controller/keep.py): its
+    # ranks' chunk counts include what went to that controller, so its
+    # results are never held for chunks
+    adopted: bool = False
 
     # -- what other parts may change ---------------------------------------------------
     def progressed(self, now: float) -> None:
@@ -98,9 +103,13 @@ class CallTable:
     """Calls in flight by id, the calls waiting to be sent, and the
     recorded ``--setup`` cells."""
 
-    def __init__(self) -> None:
+    def __init__(self, first_id: int = 1) -> None:
         self._calls: dict[int, PendingCall] = {}
-        self._ids = itertools.count(1)
+        # a kept mesh's controller numbers its calls after its epoch, above
+        # every earlier controller's (controller/keep.py)
+        self._ids = itertools.count(first_id)
+        self._last_id = first_id - 1  # (written after each id: at most one behind, which is safe)
+        self.finished_ids: collections.deque[int] = collections.deque(maxlen=64)
         self.waiting: list[PendingCall] = []  # issued, not sent yet (in issue order)
         self.setup_cells: list[dict[str, Any]] = []  # replayed on every new process
         # hooks, set by the controller: ranks are done with a call (their
@@ -122,7 +131,8 @@ class CallTable:
         return self._calls.get(call_id)
 
     def next_id(self) -> int:
-        return next(self._ids)
+        call_id = self._last_id = next(self._ids)
+        return call_id
 
     def busy(self, rank: int) -> bool:
         """``rank`` still owes an answer to some sent call."""
@@ -132,10 +142,17 @@ class CallTable:
     def new(self, call_id: int, ranks: tuple[int, ...], output: CallOutput,
             future: MeshFuture, *, frames: list[Any], elastic: bool = False,
             setup: dict[str, Any] | None = None, hang_timeout: float | None = None,
-            internal: bool = False) -> PendingCall:
+            internal: bool = False, adopted: bool = False) -> PendingCall:
         return PendingCall(call_id, ranks, output, future, set(ranks), setup=setup,
                            elastic=elastic, frames=frames, hang_timeout=hang_timeout,
-                           internal=internal)
+                           internal=internal, adopted=adopted)
+
+    def low(self) -> int:
+        """The oldest call still in flight, else the next id (a kept mesh's
+        ranks let go of the results below it: engine/kept.py)."""
+        if self._calls:
+            return min(self._calls)
+        return self._last_id + 1
 
     def sent(self, call: PendingCall) -> None:
         """``call`` went out to its ranks: answers are matched to it now."""
@@ -242,6 +259,7 @@ class CallTable:
             return
         if self._calls.pop(call.call_id, None) is None:
             return  # finished already
+        self.finished_ids.append(call.call_id)
         if call in self.waiting:
             self.waiting.remove(call)
         self.on_finished(call)

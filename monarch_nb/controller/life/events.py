@@ -25,6 +25,7 @@ class EventKind(str, enum.Enum):
     REFORM_FAILED = "reform_failed"  # a member could not join it
     SETUP_FAILED = "setup_failed"  # replaying a --setup cell failed on a new process
     STOPPED = "stopped"  # the mesh was stopped (rank -1)
+    ATTACHED = "attached"  # a controller attached to the kept mesh (rank -1; detail: its pid)
 
 
 @dataclass

@@ -196,6 +196,35 @@ class RankTable:
             idents.append(info.main_id)
         return idents or None
 
+    def adopt(self, rank: int, incarnation: int, token: str) -> RankInfo:
+        """A kept mesh's running process, found at attach (controller/keep.py):
+        its incarnation and socket identities are the ones it was started
+        with (it keeps its sockets; only the controller is new)."""
+        info = self._ranks[rank]
+        if incarnation < info.incarnation:
+            raise ValueError(f"rank {rank}: incarnation {incarnation} after {info.incarnation}")
+        info.incarnation = incarnation
+        self.bind(rank, incarnation)
+        self._by_ident.pop(info.main_id, None)
+        self._by_ident.pop(info.ctl_id, None)
+        info.token = token
+        info.main_id = f"{info.identity}.main".encode()
+        info.ctl_id = f"{info.identity}.ctl".encode()
+        self._by_ident[info.main_id] = info
+        self._by_ident[info.ctl_id] = info
+        return info
+
+    def restore_events(self, events: list[dict[str, Any]]) -> None:
+        """The events a kept mesh's earlier controllers recorded (attach)."""
+        restored = []
+        for e in events:
+            try:
+                restored.append(Event(float(e["time"]), int(e["rank"]), int(e["incarnation"]),
+                                      EventKind(e["kind"]), str(e.get("detail", ""))))
+            except (KeyError, ValueError, TypeError):
+                continue
+        self.events[:0] = restored
+
     def record(self, rank: int, kind: EventKind, detail: str = "") -> None:
         inc = self._ranks[rank].incarnation if rank >= 0 else 0
         self.events.append(Event(time.time(), rank, inc, kind, detail))

@@ -1,0 +1,167 @@
+"""A kept mesh, the controller's side: what outlives this controller, and
+what a new controller takes over at attach.
+
+A kept mesh (``Mesh.start(name=..., keep_alive=...)``) has its ranks started
+by this machine's host agent (procs/keptagent.py), which outlives the
+kernel. This part owns the controller's end of that:
+
+* the **epoch**: each controller of a kept mesh has its own (milliseconds
+  since 1970 when it started, so later controllers have larger ones). It
+  signs as ``controller.<epoch>`` (the ranks keep a replay window per
+  sender: a new controller's numbers start again), its call ids start at
+  ``epoch << 32`` (above every earlier controller's), and its PINGs carry
+  it: a rank that sees a new epoch says HELLO with the call it runs and the
+  results it kept (engine/kept.py);
+* the **lease ledger** on every PING: ``low`` and ``done``, the calls this
+  controller has finished, so ranks let go of their kept results;
+* the **state** a new controller needs, sent to the agent whenever it
+  changes (``keep``): the ``--setup`` cells, the events, the generation;
+* at attach, the **adoption**: once every live rank said HELLO (or
+  :data:`HELLO_WAIT_S` passed), each call a rank runs or kept a result of
+  becomes a call of this controller (:meth:`adopt`), whose futures
+  ``mesh.pending()`` returns; then the ranks are asked to ``resend``.
+
+Runs on the thread that leads the I/O loop, like every handler, except
+:meth:`wait_hellos` (the attaching thread waits there).
+
+Non-goals: the agent (procs/keptagent.py), the files (procs/keptfiles.py),
+the rank's side (engine/kept.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..futures import MeshFuture
+from .calls.calltable import CallTable
+from .calls.output import CallOutput
+from .life.rankstates import RankState
+from .life.ranktable import RankTable
+
+HELLO_WAIT_S = 3.0  # at attach: live ranks that have not said HELLO by then are left out
+RESEND_PINGS = 3  # pings that ask for what was kept (a rank answers the first it reads)
+STATE_EVERY_S = 1.0
+MAX_EVENTS_KEPT = 2000  # the newest events handed to the next controller
+
+
+def new_epoch() -> int:
+    return int(time.time() * 1000) & 0x7FFFFFFF
+
+
+class Keep:
+    """The kept mesh's part of one controller (see the module docstring)."""
+
+    def __init__(self, name: str, epoch: int, calls: CallTable, ranks: RankTable,
+                 interrupt: Callable[[int], None]) -> None:
+        self.name, self.epoch = name, epoch
+        self.calls, self.ranks, self._interrupt = calls, ranks, interrupt
+        self.expect: set[int] = set()  # live ranks whose HELLO the attach waits for
+        self.hellos: dict[int, dict[str, Any]] = {}
+        self.adopted: list[MeshFuture] = []
+        self.adopted_what: dict[int, str] = {}  # call id -> what the ranks said it is
+        self.lost_results: list[int] = []  # ranks that ran a call but kept no result of it
+        self._resend = 0
+        self._heard_all = threading.Event()
+        self._state_sent: tuple[int, int, int] | None = None
+        self._state_at = 0.0
+        self.taken = ""  # "taken over by pid P on H": another controller holds the mesh
+
+    @property
+    def first_call_id(self) -> int:
+        return self.epoch << 32
+
+    @property
+    def sender(self) -> str:
+        return f"controller.{self.epoch}"
+
+    # -- every PING -----------------------------------------------------------------
+    def ping_meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"ep": self.epoch, "cp": os.getpid()}
+        if not self.expect:  # (before the adoption nothing may be let go)
+            low = self.calls.low()
+            meta["low"] = low
+            done = [c for c in self.calls.finished_ids if c >= low]
+            if done:
+                meta["done"] = done
+        if self._resend > 0:
+            self._resend -= 1
+            meta["resend"] = True
+        return meta
+
+    # -- what the next controller needs ---------------------------------------------------
+    def state_due(self, now: float) -> dict[str, Any] | None:
+        """The state to hand the agent, when it changed (at most once a second)."""
+        if now - self._state_at < STATE_EVERY_S:
+            return None
+        self._state_at = now
+        key = (len(self.calls.setup_cells), len(self.ranks.events), self.ranks.generation)
+        if key == self._state_sent:
+            return None
+        self._state_sent = key
+        state = {"setup": list(self.calls.setup_cells),
+                 "events": [e.as_dict() for e in self.ranks.events[-MAX_EVENTS_KEPT:]],
+                 "generation": self.ranks.generation}
+        return json.loads(json.dumps(state, default=str))  # plain JSON, as it travels
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """What an earlier controller kept (attach)."""
+        setup = state.get("setup")
+        if isinstance(setup, list):
+            self.calls.setup_cells[:] = [c for c in setup if isinstance(c, dict) and "code" in c]
+        events = state.get("events")
+        if isinstance(events, list):
+            self.ranks.restore_events(events)
+        generation = state.get("generation")
+        if isinstance(generation, int) and generation > self.ranks.generation:
+            self.ranks.reformed(generation)
+
+    # -- attach -----------------------------------------------------------------------------
+    def on_hello(self, rank: int, meta: dict[str, Any]) -> None:
+        self.hellos[rank] = dict(meta)
+        if self.expect <= set(self.hellos):
+            self._heard_all.set()
+
+    def wait_hellos(self, timeout: float = HELLO_WAIT_S) -> set[int]:
+        """Wait until every live rank said HELLO; the ranks that did not."""
+        if not self.expect:
+            return set()
+        self._heard_all.wait(timeout)
+        return self.expect - set(self.hellos)
+
+    def adopt(self) -> None:
+        """Each call a rank runs or kept a result of becomes this
+        controller's; the ranks are then asked to send what they kept."""
+        by_call: dict[int, set[int]] = {}
+        running: dict[int, set[int]] = {}
+        for rank, hello in self.hellos.items():
+            ids = {int(c) for c in hello.get("kept") or [] if isinstance(c, int)}
+            now_running = int(hello.get("running") or 0)
+            if now_running:
+                ids.add(now_running)
+                running.setdefault(now_running, set()).add(rank)
+            for call_id in ids:
+                by_call.setdefault(call_id, set()).add(rank)
+        for call_id in sorted(by_call):
+            ranks = tuple(sorted(by_call[call_id]))
+            future = MeshFuture(call_id, ranks, self._interrupt)
+            call = self.calls.new(call_id, ranks, CallOutput(), future, frames=[], adopted=True,
+                                  hang_timeout=None)
+            self.calls.sent(call)
+            busy = sorted(running.get(call_id, ()))
+            self.ranks.move_many(busy, RankState.BUSY, only_from=RankState.READY)
+            self.adopted.append(future)
+            self.adopted_what[call_id] = ("running on ranks " if busy else "finished on ranks ") \
+                + ",".join(map(str, ranks))
+        self.expect.clear()
+        self._resend = RESEND_PINGS
+
+    def pending(self) -> list[MeshFuture]:
+        return list(self.adopted)
+
+
+__all__ = ["HELLO_WAIT_S", "Keep", "new_epoch"]
