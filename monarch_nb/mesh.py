@@ -334,12 +334,12 @@ class Mesh(_RankSet):
             raise UsageError(f"-n {world} asks for more ranks than the {len(info.devices)} visible "
                              f"GPU(s); use -n {len(info.devices)} or --backend cpu")
         limits.ensure_open_files(world)  # before the first socket: ranks inherit it
+        if cfg.kept:
+            _refuse_taken_name(cfg.name)
         ctl = Controller(cfg, info, world, spawner)
         for notice in (limits.log_space_notice(ctl.supervisor.log_dir), ctl.gpu_ipc_notice):
             if notice:
                 print(notice, file=sys.stderr)
-        if cfg.kept:
-            _refuse_taken_name(cfg.name)
         try:
             ctl.start(progress)
             if cfg.kept:
@@ -389,6 +389,19 @@ class Mesh(_RankSet):
         still run, while none was attached), as futures, oldest first. Empty
         for a mesh this process started."""
         return [] if self._ctl.keep is None else self._ctl.keep.pending()
+
+    def pending_output(self, future: MeshFuture) -> list[tuple[str, str]]:
+        """What a :meth:`pending` call printed since the last time asked:
+        ``(stream, text)`` pairs, each line labelled with its rank (the cell
+        that ran it is gone, so its output is kept here)."""
+        keep = self._ctl.keep
+        return [] if keep is None else keep.take_output(future.call_id)
+
+    def pending_info(self, future: MeshFuture) -> str:
+        """Where a :meth:`pending` call stood at attach: ``running on ranks
+        0,1`` or ``finished on ranks 0,1``."""
+        keep = self._ctl.keep
+        return "" if keep is None else keep.adopted_what.get(future.call_id, "")
 
     @classmethod
     def current(cls) -> Mesh:

@@ -491,9 +491,10 @@ class Controller:
         kept a result of become ours (Keep.adopt)."""
         keep, launcher = self.keep, self.supervisor.launcher
         assert keep is not None and isinstance(launcher, AgentLauncher)
-        self.io.start()
         agent = self.supervisor.spawner.call(launcher.open, "localhost",
                                              self.supervisor.log_dir)
+        self.io.bind_kept()  # admitted: the port is ours now
+        self.io.start()
         keep.restore(agent.attached.get("state") or {})
         # the group's port: new processes join through a re-formation anyway
         self.supervisor.reform(self.ranks.generation, free_port())
@@ -519,7 +520,13 @@ class Controller:
         for rank in sorted(missing):
             log.warning("monarch_nb: rank %d did not answer the attach", rank)
         adopted = threading.Event()
-        self.io.call_soon(lambda: (keep.adopt(), adopted.set()))
+        def adopt() -> None:
+            try:
+                keep.adopt()
+            finally:
+                adopted.set()
+
+        self.io.call_soon(adopt)
         adopted.wait(5)
         self.ranks.record(-1, EventKind.ATTACHED, f"pid {os.getpid()}, epoch {keep.epoch}")
 
@@ -538,8 +545,11 @@ class Controller:
             assert self.keep is not None
             self.keep.expect.add(rank)
         if proc.pidfd is not None:
-            pidfd = proc.pidfd
-            self.io.watch_fd(pidfd, lambda: (self.recovery.on_exit(rank, proc), self._notify()))
+            def ended() -> None:
+                self.recovery.on_exit(rank, proc)
+                self._notify()
+
+            self.io.watch_fd(proc.pidfd, ended)
 
     def _home(self) -> HostAgent | None:
         launcher = self.supervisor.launcher
@@ -604,6 +614,11 @@ class Controller:
         keptfiles.Record(cfg.name, self.key.hex(), self.mesh_id, self.world_size,
                          dataclasses.asdict(self.backend), port, cfg.keep_alive,
                          cfg.to_dict()).write()
+        home, keep = self._home(), self.keep
+        if home is not None and keep is not None:  # the start's events, now
+            state = keep.state_due(time.monotonic() + 1.0)
+            if state is not None:
+                home.send("keep", state=state)
 
     # -- helpers ---------------------------------------------------------------------------
     def _pid_of(self, rank: int) -> int | None:

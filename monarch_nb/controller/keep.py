@@ -45,7 +45,7 @@ from .life.ranktable import RankTable
 
 HELLO_WAIT_S = 3.0  # at attach: live ranks that have not said HELLO by then are left out
 RESEND_PINGS = 3  # pings that ask for what was kept (a rank answers the first it reads)
-STATE_EVERY_S = 1.0
+STATE_EVERY_S = 0.4  # (checked at each PING: a change is with the agent within ~0.5 s)
 MAX_EVENTS_KEPT = 2000  # the newest events handed to the next controller
 
 
@@ -64,7 +64,9 @@ class Keep:
         self.hellos: dict[int, dict[str, Any]] = {}
         self.adopted: list[MeshFuture] = []
         self.adopted_what: dict[int, str] = {}  # call id -> what the ranks said it is
-        self.lost_results: list[int] = []  # ranks that ran a call but kept no result of it
+        # what the adopted calls printed, kept for whoever waits for them
+        # (%monarch wait shows it; the cell that was running is gone)
+        self.outputs: dict[int, list[tuple[str, str]]] = {}
         self._resend = 0
         self._heard_all = threading.Event()
         self._state_sent: tuple[int, int, int] | None = None
@@ -149,7 +151,8 @@ class Keep:
         for call_id in sorted(by_call):
             ranks = tuple(sorted(by_call[call_id]))
             future = MeshFuture(call_id, ranks, self._interrupt)
-            call = self.calls.new(call_id, ranks, CallOutput(), future, frames=[], adopted=True,
+            output = CallOutput(self._keeper(call_id))
+            call = self.calls.new(call_id, ranks, output, future, frames=[], adopted=True,
                                   hang_timeout=None)
             self.calls.sent(call)
             busy = sorted(running.get(call_id, ()))
@@ -160,8 +163,23 @@ class Keep:
         self.expect.clear()
         self._resend = RESEND_PINGS
 
+    def _keeper(self, call_id: int) -> Callable[[str, str], None]:
+        kept = self.outputs.setdefault(call_id, [])
+
+        def emit(stream: str, text: str) -> None:
+            kept.append((stream, text))
+
+        return emit
+
     def pending(self) -> list[MeshFuture]:
         return list(self.adopted)
+
+    def take_output(self, call_id: int) -> list[tuple[str, str]]:
+        """What adopted call ``call_id`` printed so far (stream, text), once."""
+        kept = self.outputs.get(call_id, [])
+        taken = list(kept)
+        del kept[:len(taken)]
+        return taken
 
 
 __all__ = ["HELLO_WAIT_S", "Keep", "new_epoch"]

@@ -460,7 +460,7 @@ class Worker:
     def _control(self, msg: Message) -> None:
         if msg.kind == Kind.PING:
             if self.keeper is not None and msg.meta:
-                self._kept_ping(meta_of(msg, Kind.PING))
+                self._kept_ping(dict(meta_of(msg, Kind.PING)))
         elif msg.kind == Kind.INTERRUPT:
             call = msg.call
             where = ""

@@ -11,6 +11,7 @@ Non-goals: sockets, waiting policy (mesh.py), formatting rank output (output.py)
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -26,8 +27,10 @@ from .status import format_status
 HELP = """\
 %monarch start [-n N] [--backend auto|cuda|rocm|cpu] [--respawn rank|all|off]
                [--launcher local|ssh|slurm] [--hosts H1,H2] [--spare-hosts H3] [--no-dashboard]
-               [--hang-timeout SECONDS]
+               [--hang-timeout SECONDS] [--name NAME --keep-alive DURATION]
 %monarch stop [--signal TERM] [--grace S] | status | dashboard | help
+%monarch attach NAME [--force]                  take over a kept mesh (it outlives its kernel)
+%monarch detach                                 let a kept mesh go on without this kernel
 %monarch push NAME [NAME ...] [--ranks SPEC]    send kernel variables to the ranks
 %monarch pull NAME [--ranks SPEC]               fetch a variable from the ranks
 %monarch kill RANK [--signal KILL|TERM|STOP|INT] fault injection
@@ -65,7 +68,18 @@ class _Parsers:
     @argument("--no-dashboard", action="store_true", help="do not show the live dashboard")
     @argument("--hang-timeout", type=float, default=60.0,
               help="print where the ranks are after SECONDS without progress (0: never)")
+    @argument("--name", default=None,
+              help="keep the mesh under this name: it outlives the kernel (%%monarch attach NAME)")
+    @argument("--keep-alive", default=None,
+              help="how long a kept mesh waits for a kernel to attach: 90s, 30m, 2h "
+                   "(default 30m)")
     def start(self, line: str) -> None: ...
+
+    @magic_arguments()
+    @argument("name", help="the kept mesh's name (%%monarch start --name NAME)")
+    @argument("--force", action="store_true",
+              help="take it over from the controller that holds it")
+    def attach(self, line: str) -> None: ...
 
     @magic_arguments()
     @argument("--ranks", default="all")
@@ -216,7 +230,7 @@ class MonarchMagics(Magics):
         MeshConfig(n=args.n, backend=args.backend, respawn=args.respawn, launcher=args.launcher,
                    hosts=tuple(h for h in args.hosts.split(",") if h),
                    hang_timeout=args.hang_timeout, spare_hosts=args.spare_hosts,
-                   host_timeout=args.host_timeout)
+                   host_timeout=args.host_timeout, name=args.name, keep_alive=args.keep_alive)
         from IPython.display import display
 
         handle = display(_Text("monarch_nb: starting ranks..."), display_id=True)
@@ -231,7 +245,8 @@ class MonarchMagics(Magics):
         self.mesh = Mesh.start(n=args.n, backend=args.backend, respawn=args.respawn,
                                launcher=args.launcher, hosts=args.hosts, progress=progress,
                                hang_timeout=args.hang_timeout, spare_hosts=args.spare_hosts,
-                               host_timeout=args.host_timeout)
+                               host_timeout=args.host_timeout, name=args.name,
+                               keep_alive=args.keep_alive)
         mesh = self.mesh
         if args.launcher == "local":
             _omp_notice(mesh.world_size)
@@ -242,8 +257,37 @@ class MonarchMagics(Magics):
             handle.update(_Text(text))
         else:
             print(text)
+        if mesh.config.name is not None:
+            print(f"monarch_nb: kept mesh {mesh.config.name!r}: it outlives this kernel for "
+                  f"{mesh.config.keep_alive:g} s; %monarch attach {mesh.config.name} takes it "
+                  "back")
         if not args.no_dashboard:
             display(mesh.dashboard())
+
+    def _cmd_attach(self, rest: str) -> None:
+        args = _parse(_P.attach, rest)
+        if self.mesh is not None and self.mesh.running and self.mesh.config.name != args.name:
+            raise UsageError(f"a mesh is already running here ({self.mesh!r}); %monarch stop or "
+                             "%monarch detach it first")
+        t0 = time.monotonic()
+        mesh = self.mesh = Mesh.attach(args.name, force=args.force)
+        pids = ", ".join(str(row["pid"]) for row in mesh.status())
+        print(f"monarch_nb: attached to kept mesh {args.name!r} in {time.monotonic() - t0:.2f} s: "
+              f"{mesh.world_size} ranks (pids {pids})")
+        for fut in mesh.pending():
+            what = mesh.pending_info(fut)
+            self.pending[f"_attached{fut.call_id}"] = fut
+            print(f"monarch_nb: call {fut.call_id & 0xFFFFFFFF} of the last kernel, {what}: "
+                  "%monarch wait shows its output and result")
+
+    def _cmd_detach(self, rest: str) -> None:
+        mesh = self._mesh()
+        mesh.detach()
+        self.mesh = None
+        self.pending.clear()
+        print(f"monarch_nb: detached from kept mesh {mesh.config.name!r}; its ranks go on for "
+              f"{mesh.config.keep_alive:g} s unless a kernel attaches "
+              f"(%monarch attach {mesh.config.name})")
 
     def _cmd_stop(self, rest: str) -> None:
         args = _parse(_P.stop, rest)
@@ -301,11 +345,29 @@ class MonarchMagics(Magics):
         result = None
         for name in names:
             fut = self.pending[name]
+            if name.startswith("_attached"):  # a call of the last kernel: what it printed
+                result = self._wait_adopted(mesh, fut)
+                self.pending.pop(name, None)
+                continue
             result = mesh.wait(fut)  # raises RankErrors like a blocking cell
             self.pending.pop(name, None)
             if not name.startswith("_"):
                 self._shell.user_ns[name] = result
         return result if args.name is not None else None
+
+    @staticmethod
+    def _wait_adopted(mesh: Mesh, fut: MeshFuture) -> Any:
+        """Wait for a call the last kernel began (mesh.pending()) and show
+        what it printed, then its result (as the cell would have)."""
+        try:
+            result = mesh.wait(fut)
+        finally:
+            for stream, text in mesh.pending_output(fut):
+                (sys.stderr if stream == "stderr" else sys.stdout).write(text)
+        from IPython.display import display
+
+        display(result)
+        return result
 
     def _cmd_restart(self, rest: str) -> None:
         args = _parse(_P.restart, rest)

@@ -129,20 +129,18 @@ class IOLoop:
         host, advertised = bind_host(bind)
         if ":" in host:
             self.router.setsockopt(zmq.IPV6, 1)
+        # a kept mesh's port (controller/keep.py): its ranks reconnect to it;
+        # bound by bind_kept() once the mesh's agent admitted us (a takeover's
+        # old controller lets it go only then)
+        self._kept_bind = None if port is None else f"tcp://{host}:{port}"
         try:
             if port is None:
                 port = self.router.bind_to_random_port(f"tcp://{host}")
-            else:  # a kept mesh's: its ranks reconnect to it (controller/keep.py)
-                _bind_again(self.router, f"tcp://{host}:{port}")
         except zmq.ZMQError as exc:
             for sock in (self.router, self.zap):
                 if sock is not None:
                     sock.close(linger=0)
             self.ctx.term()
-            if exc.errno == errno.EADDRINUSE and port is not None:
-                raise UsageError(f"port {port}, where this kept mesh's ranks reconnect, is in "
-                                 "use by another process; stop it, or stop the mesh with "
-                                 "monarch-nb stop NAME") from None
             if exc.errno == errno.EADDRINUSE:  # a port of the kernel's choosing: none left
                 raise no_free_port(f"the controller on {host}") from None
             raise UsageError(f"cannot bind the controller to {bind!r}: {exc}; use an address "
@@ -180,6 +178,19 @@ class IOLoop:
         self.dropped: collections.Counter[str] = collections.Counter()
         self._idents: dict[bytes, str] = {}
         self.thread = threading.Thread(target=self._run, name="monarch-nb-io", daemon=True)
+
+    def bind_kept(self) -> None:
+        """Bind a kept mesh's port (see __init__); waits a moment for a
+        controller that is letting it go."""
+        if self._kept_bind is None:
+            return
+        try:
+            _bind_again(self.router, self._kept_bind)
+        except zmq.ZMQError as exc:
+            raise UsageError(f"{self._kept_bind}, where this kept mesh's ranks reconnect, is "
+                             f"busy ({exc}): another process holds it; stop that process, or "
+                             "stop the mesh with monarch-nb stop NAME") from None
+        self._kept_bind = None
 
     # -- thread-safe API ----------------------------------------------------
     def start(self) -> None:
