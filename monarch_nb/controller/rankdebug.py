@@ -43,7 +43,7 @@ from ..wire.metas import meta_of
 from ..wire.protocol import Codec, Kind, Message
 from ..wire.transport import IOLoop
 from .calls.calltable import CallTable, PendingCall
-from .life.rankstates import LIVE
+from .life.rankstates import LIVE, RankState
 from .life.ranktable import RankInfo, RankTable, signal_name
 
 REQUEST_TIMEOUT_S = 10.0  # a rank's debugger answers at once (or from its stopped thread)
@@ -236,6 +236,10 @@ class RankDebugger:
                 how, frames = self.dead_frames(rank)
                 if frames:
                     self._tell({"event": "died", "rank": rank, "how": how, "frames": frames})
+
+    def busy(self, rank: int) -> bool:
+        """``rank`` runs a call (a pause has something to stop)."""
+        return self._ranks[rank].state == RankState.BUSY
 
     def holds(self, call_id: int) -> bool:
         """A rank of ``call_id`` stands stopped in the debugger (not a hang)."""
