@@ -5,7 +5,7 @@ One 3-rank mesh, rank 1 debugged: a breakpoint in a cell stops rank 1 while
 ranks 0 and 2 wait in their all_reduce; its frames, scopes, variables (paged)
 and expressions are read, it is stepped and continued, and every rank's
 output arrives. Then a pause, an interrupt while stopped, a post-mortem, and
-the rank's debugger after a respawn.
+the rank's debugger after a respawn; remote ranks through their host's agent.
 """
 
 from __future__ import annotations
@@ -172,3 +172,37 @@ def test_a_respawned_rank_gets_its_breakpoints_again(mesh3: Mesh, dbg: Any) -> N
     assert (stop["rank"], stop["line"]) == (1, 2)
     handle.request(1, "continue", {}).result(10)
     assert done.wait(30)
+
+
+def test_remote_ranks_through_their_agents(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ranks on "hosts" reached as the ssh launcher reaches them (tests/test_agents.py):
+    # the debugger's requests go down, its answers and stops come up, through each
+    # host's agent, as for a local rank
+    monkeypatch.setenv("MONARCH_NB_SSH", "sh -c")
+    mesh = Mesh.start(n=4, backend="cpu", launcher="ssh", hosts="hA,hB", bind="127.0.0.1",
+                      master_addr="127.0.0.1", start_timeout=90)
+    try:
+        assert mesh._ctl.supervisor.launcher.remote  # every rank behind an agent
+        handle = mesh.debugger(3)  # on hB
+        events: list[dict[str, Any]] = []
+        handle.listeners.append(events.append)
+        handle.set_breakpoints("<mnb-cell-rd5>", [4]).result(10)
+        fut = mesh.exec_async(CELL, name="<mnb-cell-rd5>")
+        stop = _stopped(events)
+        assert (stop["rank"], stop["line"]) == (3, 4)
+        frames = handle.request(3, "stackTrace", {}).result(10)["stackFrames"]
+        assert frames[-1]["file"] == "<mnb-cell-rd5>"
+        assert handle.request(3, "evaluate", {"expression": "rank * 11"}).result(10)["result"] == "33"
+        handle.set_breakpoints("<mnb-cell-rd5>", []).result(10)
+        handle.request(3, "continue", {}).result(10)
+        assert mesh.wait(fut, 60) is not None
+        with pytest.raises(RankErrors):
+            mesh.exec("def boom():\n    z = 7\n    return z / 0\nboom()\n", name="<mnb-cell-rd6>")
+        wait_for(lambda: any(e["event"] == "failed" and e["rank"] == 3 for e in events),
+                 what="rank 3's failure")
+        scopes = handle.request(3, "scopes", {"frameId": 1}, thread="pm").result(10)["scopes"]
+        local = handle.request(3, "variables", {"variablesReference": scopes[0]["variablesReference"]},
+                               thread="pm").result(10)["variables"]
+        assert [(v["name"], v["value"]) for v in local] == [("z", "7")]
+    finally:
+        mesh.stop()
