@@ -241,9 +241,7 @@ class Worker:
         if _context._state.get("call_generation") != generation:
             _context._set(call_generation=int(generation))
         ok, value, error = True, None, None
-        dbg = self.dbg
-        if dbg.armed:  # JupyterLab's debugger: the call runs under its tracer
-            dbg.begin(sys._getframe())
+        dbg = self.dbg  # JupyterLab's debugger: armed, the user's code runs under its tracer
         try:
             try:
                 if call in self.cancelled:
@@ -259,10 +257,14 @@ class Worker:
                                             mesh_id=self.env.mesh_id,
                                             max_bytes=self.env.max_message_bytes)
                     fn, args, kwargs = self.calls.load(frames)
+                    if dbg.armed:
+                        dbg.begin(sys._getframe())
                     value = fn(*args, **kwargs)
                 else:
                     code = (bytes(memoryview(msg.payload[0])).decode() if msg.payload
                             else meta_of(msg, Kind.EXEC).get("code", ""))  # (payload: protocol.exec_parts)
+                    if dbg.armed:
+                        dbg.begin(sys._getframe())
                     value = self._run_cell(code, meta_of(msg, Kind.EXEC).get("name", "<mnb-cell>"))
             finally:
                 if dbg.tracing:
