@@ -43,10 +43,10 @@ NOOP = lambda: None  # noqa: E731
 
 
 def calls_10k() -> int:
-    def f(i: int) -> int:
-        return i + 1
+    def f(n: int) -> int:
+        return n + 1
     total = 0
-    for i in range(10_000):
+    for _ in range(10_000):
         total = f(total)
     return total
 
@@ -68,12 +68,17 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
     mesh = Mesh.start(n=ns.ranks, backend="cpu")
+    def off() -> None:
+        mesh.debugger(off=True)
+
+    def debugged() -> None:
+        mesh.debugger("all")
+
+    def armed() -> None:
+        mesh.debugger("all").set_breakpoints("<never-run>", [1]).result(10)
+
     states: dict[str, Callable[[], None]] = {
-        "off": lambda: (mesh.debugger(off=True), None)[1],
-        "debugged, no breakpoint": lambda: (mesh.debugger("all"), None)[1],
-        "armed (a breakpoint elsewhere)": lambda: (
-            mesh.debugger("all").set_breakpoints("<never-run>", [1]).result(10), None)[1],
-    }
+        "off": off, "debugged, no breakpoint": debugged, "armed (a breakpoint elsewhere)": armed}
     samples: dict[str, dict[str, list[float]]] = {s: {"noop": [], "calls": []} for s in states}
     try:
         for _ in range(50):
