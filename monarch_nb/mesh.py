@@ -43,6 +43,7 @@ from .controller.calls.output import CallOutput
 from .controller.core import Controller, Event, RankInfo, RankState
 from .controller.inspector import STACKS_TIMEOUT_S, collective_report, death_report
 from .controller.metricstore import MetricsStore, health_fields
+from .controller.rankdebug import DEFAULT_RANKS, RankDebugger
 from .engine.debug import post_mortem as _post_mortem
 from .errors import (
     CallTimeout,
@@ -634,6 +635,24 @@ class Mesh(_RankSet):
             if isinstance(err, RemoteError) and err.type_name == "LookupError":
                 raise UsageError(err.message) from None
             raise
+
+    def debugger(self, ranks: Any = DEFAULT_RANKS, *, off: bool = False,
+                 timeout: float = 10.0) -> RankDebugger:
+        """JupyterLab's visual debugger on ``ranks`` (default: rank 0; see
+        docs/debugging.md), or on none with ``off=True`` (stopped ranks run
+        on). Returns the handle a front end drives: breakpoints in the
+        ranks' terms, requests to a rank's debugger, its events (ui/labdebug.py
+        connects it to the kernel's debugger). Waits until every live rank
+        took the selection."""
+        ctl = self._live()
+        sel = () if off else parse_ranks(ranks, self.world_size)
+        done = ctl.debugging.select(tuple(sel))
+        try:
+            done.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise MonarchError(f"the ranks did not take the debugger's selection within "
+                               f"{timeout:g} s; see %monarch status") from None
+        return ctl.debugging
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"

@@ -48,6 +48,10 @@ class KernelSession:
         self.km: KernelManager
         self.km, self.kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
         self.late: dict[str, list[dict[str, Any]]] = {}
+        # IOPub messages read while waiting for a debug_event, for collect()
+        self._stash: list[dict[str, Any]] = []
+        self.debug_events: list[dict[str, Any]] = []  # every debug_event's content, in order
+        self._dap_seq = 0
 
     @property
     def pid(self) -> int:
@@ -72,7 +76,7 @@ class KernelSession:
             if answers is not None:
                 self._answer_input(res, pending)
             try:
-                msg = self.kc.get_iopub_msg(timeout=min(left, 0.1) if answers is not None else left)
+                msg = self._next_iopub(min(left, 0.1) if answers is not None else min(left, 1.0))
             except queue.Empty:
                 continue
             parent = msg["parent_header"].get("msg_id")
@@ -83,6 +87,75 @@ class KernelSession:
             if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                 res.status = self.reply_status(msg_id, deadline)
                 return res
+
+    def _next_iopub(self, timeout: float) -> dict[str, Any]:
+        if self._stash:
+            return self._stash.pop(0)
+        msg: dict[str, Any] = self.kc.get_iopub_msg(timeout=timeout)
+        if msg["msg_type"] == "debug_event":
+            self.debug_events.append(msg["content"])
+        return msg
+
+    # -- the Jupyter debugger protocol, as JupyterLab speaks it -------------------------
+    def dap(self, command: str, arguments: dict[str, Any] | None = None,
+            timeout: float = 60.0) -> dict[str, Any]:
+        """One DAP request in a ``debug_request`` on the control channel
+        (what JupyterLab's debugger sends); the ``debug_reply``'s content."""
+        self._dap_seq += 1
+        msg = self.kc.session.msg("debug_request", {
+            "type": "request", "seq": self._dap_seq, "command": command,
+            "arguments": arguments or {}})
+        self.kc.control_channel.send(msg)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no debug_reply to {command} in {timeout} s")
+            reply = self.kc.get_control_msg(timeout=left)
+            if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                return dict(reply["content"])
+
+    def debug_event(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 60.0,
+                    after: int = 0) -> dict[str, Any]:
+        """The first ``debug_event`` (from number ``after`` on) that
+        ``predicate`` accepts, reading IOPub until it comes; what else is
+        read stays for :meth:`collect`."""
+        deadline = time.monotonic() + timeout
+        seen = after
+        while True:
+            for event in self.debug_events[seen:]:
+                if predicate(event):
+                    return event
+            seen = len(self.debug_events)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no such debug_event in {timeout} s; got {self.debug_events[after:]}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=min(left, 0.2))
+            except queue.Empty:
+                continue
+            if msg["msg_type"] == "debug_event":
+                self.debug_events.append(msg["content"])
+            else:
+                self._stash.append(msg)
+
+    def wait_output(self, msg_id: str, text: str, timeout: float = 60.0) -> None:
+        """Read IOPub until cell ``msg_id`` printed ``text`` (what is read
+        stays for :meth:`collect`)."""
+        deadline = time.monotonic() + timeout
+        while not any(m["msg_type"] == "stream" and m["parent_header"].get("msg_id") == msg_id
+                      and text in m["content"]["text"] for m in self._stash):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"cell {msg_id} did not print {text!r} in {timeout} s")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=min(left, 0.2))
+            except queue.Empty:
+                continue
+            if msg["msg_type"] == "debug_event":
+                self.debug_events.append(msg["content"])
+            else:
+                self._stash.append(msg)
 
     def reply_status(self, msg_id: str, deadline: float) -> str:
         """Status of ``msg_id``'s execute_reply, skipping replies to other
@@ -145,7 +218,7 @@ class KernelSession:
         """Move iopub messages that are already queued into ``late``."""
         while True:
             try:
-                msg = self.kc.get_iopub_msg(timeout=timeout)
+                msg = self._next_iopub(timeout)
             except queue.Empty:
                 return
             self.late.setdefault(msg["parent_header"].get("msg_id"), []).append(msg)

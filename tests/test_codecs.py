@@ -115,3 +115,26 @@ def test_flight_rejects_wrong_shapes() -> None:
     for bad in (b"[]", b'{"ops": 3}', b'{"groups": []}', b"nope", b"[" * 100_000):
         with pytest.raises(payloads.PayloadError):
             payloads.decode_flight(bad)
+
+
+@given(st.dictionaries(_text, _json_value, max_size=5))
+def test_debugger_round_trip(body: dict[str, Any]) -> None:
+    assert payloads.decode_debugger(payloads.encode_debugger(body)) == body
+
+
+@settings(max_examples=300)
+@given(st.one_of(st.binary(max_size=200), _json_value.map(lambda v: json.dumps(v).encode())))
+def test_junk_debugger_frame_raises_only_payload_error(frame: bytes) -> None:
+    try:
+        body = payloads.decode_debugger(frame)
+    except payloads.PayloadError:
+        return
+    assert type(body) is dict
+
+
+def test_debugger_body_is_always_made() -> None:
+    # a value JSON cannot hold (the rank's answer carries user values) is its repr
+    assert payloads.decode_debugger(payloads.encode_debugger({"v": {1, 2}})) == {"v": "{1, 2}"}
+    for bad in (b"[]", b"3", b"nope", b"[" * 100_000):
+        with pytest.raises(payloads.PayloadError):
+            payloads.decode_debugger(bad)

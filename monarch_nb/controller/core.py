@@ -15,6 +15,8 @@ The parts, each owning its state (DESIGN.md, architecture rule 5)::
     Caller      caller.py       sends calls, waits for them, interrupts them
     Recovery    recovery.py    deaths, respawns, re-formations (the policy's hands)
     Inspector   inspector.py   stacks, hang watchdog, debugger relay
+    RankDebugger rankdebug.py  JupyterLab's debugger on the ranks: selection,
+                               breakpoints, stops, requests to the ranks' debuggers
     Supervisor  supervisor.py  rank processes, forked on the spawner thread
     DataPlane   dataplane.py   shared-memory segments of big payloads, GPU IPC shares
                                (local ranks)
@@ -66,6 +68,7 @@ from .life.rankstates import GONE, LIVE, ON_ITS_WAY, RankState
 from .life.ranktable import RankInfo, RankTable, describe_exit, free_port
 from .life.recovery import Recovery
 from .metricstore import MetricsStore
+from .rankdebug import RankDebugger
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +163,10 @@ class Controller:
                                  dispatch=lambda call: self.caller.dispatch(call),
                                  default_output=lambda: self.default_output,
                                  notify=self._notify)
+        self.debugging = RankDebugger(self.ranks, self.calls, self.io, self.codec, self.supervisor)
         self.inspector = Inspector(self.ranks, self.calls, self.io, self.codec, self._notify,
-                                   recovering=self._recovering, supervisor=self.supervisor)
+                                   recovering=self._recovering, supervisor=self.supervisor,
+                                   in_debugger=self.debugging.holds)
         self.caller = Caller(cfg, self.ranks, self.calls, self.io, self.codec, self.recovery,
                              self.inspector, self.dataplane)
         self.assembler = Assembler(self.calls, self.dataplane, self.metrics, self.io.send,
@@ -345,6 +350,9 @@ class Controller:
             if info.state in ON_ITS_WAY:
                 self.recovery.on_ready(info, msg)
                 self._notify()
+                self.debugging.on_ready(info)
+        elif kind == Kind.DEBUGGER_EVENT:
+            self.debugging.on_event(info, msg)
         elif kind == Kind.PROMPT:
             self.inspector.on_prompt(info, msg)
         elif kind == Kind.STACKS_REPLY:
@@ -389,6 +397,8 @@ class Controller:
             inspector.release_focus(call.call_id, -1)  # forget its debugger prompts
         call.output.flush(force=True, ranks=call.ranks)
         inspector.call_over(call)  # its dead are the ones the analysis shows now
+        if call.errors and self.debugging.active:
+            self.debugging.call_finished(call)  # post-mortems, deaths: JupyterLab's panel
         self._idle_again(call.ranks, others=len(self.calls) > 0)  # (it has left the table)
 
     def _idle_again(self, ranks: Sequence[int], others: bool) -> None:
@@ -414,6 +424,7 @@ class Controller:
             if info.state in LIVE and info.silent_for is None:
                 self._judge_liveness(info, proc.pid, now)
         self.inspector.tick(now)
+        self.debugging.tick(now)
         self.recovery.tick(now)
         if now - self._last_ping >= self.cfg.heartbeat_interval:
             self._last_ping = now

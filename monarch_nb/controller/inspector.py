@@ -80,7 +80,8 @@ class Inspector:
 
     def __init__(self, ranks: RankTable, calls: CallTable, io: IOLoop, codec: Codec,
                  notify: Callable[[], None], recovering: Callable[[int], bool],
-                 supervisor: Supervisor | None = None) -> None:
+                 supervisor: Supervisor | None = None,
+                 in_debugger: Callable[[int], bool] = lambda call_id: False) -> None:
         self.ranks = ranks
         self.calls = calls
         # its reaped processes keep their persisted flight records (flight.py)
@@ -90,6 +91,7 @@ class Inspector:
         self.codec = codec
         self._notify = notify
         self._recovering = recovering  # is this rank being brought back?
+        self._in_debugger = in_debugger  # a rank of this call stands in JupyterLab's debugger
         self.stack_requests: dict[int, _StackRequest] = {}
         self.prompts: collections.deque[Prompt] = collections.deque()
         self.debug_focus: dict[int, int | None] = {}  # call -> rank being debugged
@@ -220,7 +222,7 @@ class Inspector:
             if not limit or call.hang_reported or not call.remaining:
                 continue
             if self.debug_focus.get(call.call_id) is not None or any(
-                    p.call_id == call.call_id for p in self.prompts):
+                    p.call_id == call.call_id for p in self.prompts) or self._in_debugger(call.call_id):
                 continue  # the user is in a debugger: not a hang
             if any(self._recovering(r) for r in call.ranks) or call.reissue:
                 call.progressed(now)  # recovery is under way: not a hang

@@ -50,7 +50,7 @@ from ..wire.metas import meta_of
 from ..wire.metricframes import encode as encode_metrics
 from ..wire.protocol import Codec, Kind, Message
 from . import context as _context
-from . import debug, flightrec, kept, metrics, pgcompat, spare
+from . import dap_rank, debug, flightrec, kept, metrics, pgcompat, spare
 from .capture import OutputBuffer, RankStream
 from .health import HealthProbe
 from .membership import Membership
@@ -137,6 +137,12 @@ class Worker:
         self._cell_argv: list[str] = sys.argv
         self.stdin = debug.RelayStdin(self._ask_input, lambda: self.output.take_partial("stdout"),
                                       self.main_thread_id)
+        # JupyterLab's debugger on this rank (dap_rank.py): armed only while
+        # the rank is debugged and has breakpoints
+        self.dbg = dap_rank.RankDebugger(
+            lambda: self.running_call,
+            lambda: signal.pthread_kill(self.main_thread_id, signal.SIGINT),
+            Worker._execute.__code__)
 
     # -- start-up ------------------------------------------------------------
     def start(self) -> None:
@@ -240,6 +246,7 @@ class Worker:
         if _context._state.get("call_generation") != generation:
             _context._set(call_generation=int(generation))
         ok, value, error = True, None, None
+        dbg = self.dbg  # JupyterLab's debugger: armed, the user's code runs under its tracer
         try:
             try:
                 if call in self.cancelled:
@@ -255,12 +262,18 @@ class Worker:
                                             mesh_id=self.env.mesh_id,
                                             max_bytes=self.env.max_message_bytes)
                     fn, args, kwargs = self.calls.load(frames)
+                    if dbg.armed:
+                        dbg.begin(sys._getframe())
                     value = fn(*args, **kwargs)
                 else:
                     code = (bytes(memoryview(msg.payload[0])).decode() if msg.payload
                             else meta_of(msg, Kind.EXEC).get("code", ""))  # (payload: protocol.exec_parts)
+                    if dbg.armed:
+                        dbg.begin(sys._getframe())
                     value = self._run_cell(code, meta_of(msg, Kind.EXEC).get("name", "<mnb-cell>"))
             finally:
+                if dbg.tracing:
+                    dbg.end()
                 self.finished.append(call)  # before running_call drops: see _control
                 self.running_call = 0
                 if _getsignal(_SIGINT) is not self._sigint:
@@ -379,6 +392,8 @@ class Worker:
         if self.running_call and self.interrupt_call == self.running_call:
             self.interrupt_call = 0
             raise KeyboardInterrupt
+        if self.dbg.pausing and self.running_call:  # JupyterLab's pause button
+            self.dbg.pause_in(frame)
 
     def _send_main(self, kind: Kind, payload: list[Any] | None = None, *, call: int = 0,
                    meta: dict[str, Any] | None = None) -> None:
@@ -403,7 +418,8 @@ class Worker:
         next_beat = next_metrics = 0.0
         health = HealthProbe()
         while True:
-            busy = self.running_call != 0 or self.output.pending or self.metrics.pending
+            busy = (self.running_call != 0 or self.output.pending or self.metrics.pending
+                    or self.dbg.outbox)
             ready = ctl.poll(int(OUTPUT_FLUSH_S * 1000 if busy else HEARTBEAT_S * 500))
             now = time.monotonic()
             if ready:
@@ -435,6 +451,11 @@ class Worker:
             if prompt is not None:  # after the output: the listing shows above the box
                 self.prompt_out = None
                 self._send_ctl(Kind.PROMPT, call=prompt[0], meta={"prompt": prompt[1]})
+            outbox = self.dbg.outbox
+            while outbox:  # the debugger's answers and events, after the output
+                seq, cmd, ok, body, dcall = outbox.popleft()
+                self._send_ctl(Kind.DEBUGGER_EVENT, call=dcall, meta={"seq": seq, "cmd": cmd, "ok": ok},
+                               payload=[payloads.encode_debugger(body)])
             if now >= next_metrics:
                 next_metrics = now + METRICS_FLUSH_S
                 batch = self.metrics.take()  # (while away: only into the history)
@@ -489,6 +510,14 @@ class Worker:
                            if flight else None)
         elif msg.kind == Kind.INPUT:
             self.stdin.answer(str(meta_of(msg, Kind.INPUT).get("text", "")))
+        elif msg.kind == Kind.DEBUGGER:
+            dmeta = meta_of(msg, Kind.DEBUGGER)
+            try:
+                args = payloads.decode_debugger(msg.payload[0]) if msg.payload else {}
+            except payloads.PayloadError:
+                args = {}
+            self.dbg.handle(int(dmeta.get("seq", 0)), str(dmeta.get("cmd", "")),
+                            str(dmeta.get("thread", "live")), args)
         elif msg.kind == Kind.RELEASE:  # the controller mapped a result's segment
             tok = str(meta_of(msg, Kind.RELEASE).get("tok", ""))
             seg = self.segments.pop(tok, None)

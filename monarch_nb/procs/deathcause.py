@@ -238,6 +238,13 @@ def crash_stack(log_tail: Sequence[str]) -> list[str]:
     return out
 
 
+def crash_frames(log_tail: Sequence[str]) -> list[tuple[str, int, str]]:
+    """The crashing thread's Python frames from a crashed rank's log, as
+    ``(file, line, function)``, innermost first (faulthandler's order; the
+    files as the rank named them): what :func:`crash_stack` quotes."""
+    return _current_thread(log_tail)
+
+
 def is_native_dump(line: str) -> bool:
     """Does ``line`` start c10's dump of a thread's native stack?"""
     return bool(_NATIVE_HEAD.match(line.strip()))
@@ -371,6 +378,6 @@ def _at(frame: tuple[str, int, str]) -> str:
     return at if func == "<module>" else f"{func} ({at})"
 
 
-__all__ = ["explain", "is_native_dump", "flight_hint", "peers_hint", "STRICT_HINT", "crash_hint", "crash_stack", "is_crash", "oom_hint", "exception_hint", "timeout_hint",
+__all__ = ["explain", "crash_frames", "is_native_dump", "flight_hint", "peers_hint", "STRICT_HINT", "crash_hint", "crash_stack", "is_crash", "oom_hint", "exception_hint", "timeout_hint",
            "HIGH_RSS_FRACTION",
            "NEAR_LIMIT_FRACTION"]

@@ -22,6 +22,7 @@ from ..config import MeshConfig
 from ..errors import MeshNotRunning, UsageError
 from ..futures import MeshFuture
 from ..mesh import Mesh, RankResults
+from . import labdebug
 from .status import format_status
 
 HELP = """\
@@ -40,6 +41,7 @@ HELP = """\
 %monarch stragglers [--ranks SPEC]             compute vs wait per rank; flags a consistently slow rank
 %monarch trace PATH                             write a Chrome/Perfetto trace of the recent past
 %monarch debug RANK                             post-mortem pdb on the rank's last error
+%monarch debugger [--ranks SPEC | --off]        JupyterLab's debugger on these ranks (default 0)
 %monarch logs RANK [--tail N]                   a rank's recent output (all incarnations)
 %monarch wait [NAME]                            wait for --no-block cells
 %%monarch [--ranks SPEC] [--setup] [--elastic] [--no-block] [-o NAME] [--timeout SECONDS]
@@ -89,6 +91,13 @@ class _Parsers:
     @magic_arguments()
     @argument("rank", type=int)
     def debug(self, line: str) -> None: ...
+
+    @magic_arguments()
+    @argument("--ranks", default=None,
+              help="ranks JupyterLab's debugger debugs in %%%%monarch cells (default: 0; "
+                   "the panel shows one stopped thread at a time)")
+    @argument("--off", action="store_true", help="debug no rank (stopped ranks run on)")
+    def debugger(self, line: str) -> None: ...
 
     @magic_arguments()
     @argument("--ranks", default="all")
@@ -401,6 +410,25 @@ class MonarchMagics(Magics):
         args = _parse(_P.debug, rest)
         self._mesh().debug(args.rank)
 
+    def _cmd_debugger(self, rest: str) -> None:
+        args = _parse(_P.debugger, rest)
+        if args.off and args.ranks is not None:
+            raise UsageError("--ranks and --off do not go together; see %monarch help")
+        mesh = self._mesh()
+        handle = (mesh.debugger(off=True) if args.off else
+                  mesh.debugger() if args.ranks is None else mesh.debugger(args.ranks))
+        lab = labdebug.of(self._shell)
+        if lab is not None:
+            lab.connect(None if args.off else handle)
+        if args.off:
+            print("monarch_nb: JupyterLab's debugger debugs no rank now")
+        else:
+            who = ", ".join(str(r) for r in handle.selected)
+            where = "" if lab is not None else " (this kernel has no debugger: use mesh.debugger())"
+            print(f"monarch_nb: JupyterLab's debugger debugs %%monarch cells on rank"
+                  f"{'s' if len(handle.selected) > 1 else ''} {who}{where}; the other ranks run "
+                  "on and wait in their collectives as for a slow rank")
+
     # -- the cell magic --------------------------------------------------------------
     def _cell(self, line: str, cell: str) -> Any:
         args = _parse(_P.cell, line)
@@ -409,6 +437,9 @@ class MonarchMagics(Magics):
         mesh = self._mesh()
         sub = mesh.ranks(args.ranks)
         name = f"<mnb-cell-{self._shell.execution_count}>"
+        lab = labdebug.of(self._shell)
+        if lab is not None:  # JupyterLab's debugger: the cell's path, its breakpoints first
+            lab.before_cell(name, cell)
         if args.no_block:
             fut = sub.exec(cell, setup=args.setup, name=name, block=False, elastic=args.elastic,
                            hang_timeout=args.hang_timeout,
@@ -451,6 +482,7 @@ def load(ipython: Any) -> None:
     magics = MonarchMagics(ipython)
     ipython.register_magics(magics)
     _loaded[id(ipython)] = magics
+    labdebug.install(ipython)  # JupyterLab's debugger reaches the ranks (no-op outside ipykernel)
     from .labcomm import attach  # the JupyterLab extension's feed (no-op outside ipykernel)
 
     attach(ipython, lambda: _shown_mesh(magics))
@@ -472,6 +504,7 @@ def unload(ipython: Any) -> None:
     from .labcomm import detach
 
     detach(ipython)
+    labdebug.uninstall(ipython)
     if magics is not None and magics.mesh is not None:
         magics.mesh.stop()
 

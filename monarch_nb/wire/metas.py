@@ -117,6 +117,18 @@ class ReleaseMeta(TypedDict, total=False):
     tok: str
 
 
+class DebuggerMeta(TypedDict, total=False):
+    seq: int  # the request's number (its answer carries it back)
+    cmd: str  # configure, pause, continue, next, stepIn, stepOut, stackTrace, ...
+    thread: str  # "live" (stopped in a call) or "pm" (the last failure's post-mortem)
+
+
+class DebuggerEventMeta(TypedDict, total=False):
+    seq: int  # the request answered; 0: an event
+    cmd: str  # the request's command, or the event (stopped, continued)
+    ok: bool  # the request succeeded (else the body's "message" says why)
+
+
 # kind -> its TypedDict (for the test against META; nothing reads it per message)
 TYPES: dict[Kind, type] = {
     Kind.CALL: CallMeta, Kind.EXEC: ExecMeta, Kind.STACKS: StacksMeta,
@@ -126,6 +138,7 @@ TYPES: dict[Kind, type] = {
     Kind.STACKS_REPLY: StacksReplyMeta, Kind.REFORM: ReformMeta,
     Kind.REFORMED: ReformedMeta, Kind.INPUT: InputMeta, Kind.PROMPT: PromptMeta,
     Kind.RELEASE: ReleaseMeta, Kind.PING: PingMeta,
+    Kind.DEBUGGER: DebuggerMeta, Kind.DEBUGGER_EVENT: DebuggerEventMeta,
 }
 
 
@@ -165,6 +178,10 @@ def meta_of(msg: Message, kind: Literal[Kind.INPUT]) -> InputMeta: ...
 def meta_of(msg: Message, kind: Literal[Kind.PROMPT]) -> PromptMeta: ...
 @overload
 def meta_of(msg: Message, kind: Literal[Kind.RELEASE]) -> ReleaseMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.DEBUGGER]) -> DebuggerMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.DEBUGGER_EVENT]) -> DebuggerEventMeta: ...
 def meta_of(msg: Message, kind: Kind) -> Any:
     """``msg.meta`` typed as ``kind``'s TypedDict. ``kind`` is the kind the
     caller already dispatched on (verify checked the meta against META for

@@ -8,6 +8,9 @@ written down once (as wire/metricframes.py does for METRICS).
 * The flight recorder's tail: a JSON object (engine/flightrec.py
   ``Recorder.tail``), a STACKS_REPLY's payload frame 0 when the STACKS asked
   for ``flight`` (-> controller/inspector.py, controller/analysis/collectives.py).
+* A debugger request's arguments and its answer's or event's body: a JSON
+  object, the payload of DEBUGGER and DEBUGGER_EVENT (controller/rankdebug.py
+  <-> engine/dap_rank.py).
 
 (RESULT's shared-memory and chunk descriptors are wire/shm.py's and
 wire/chunks.py's own pairs; METRICS is wire/metricframes.py.)
@@ -25,6 +28,7 @@ from typing import Any
 
 MAX_OUTPUT_BYTES = 256 << 20  # one OUTPUT chunk or a RESULT's last output
 MAX_FLIGHT_BYTES = 64 << 20  # one rank's flight-recorder tail
+MAX_DEBUGGER_BYTES = 16 << 20  # one debugger request or answer (a page of variables)
 
 OutputItems = list[tuple[str, str]]  # (stream, text), in order
 
@@ -87,3 +91,19 @@ def decode_flight(frame: Any) -> dict[str, Any]:
     if "groups" in tail and type(tail["groups"]) is not dict:
         raise PayloadError("flight: groups is not an object")
     return tail
+
+
+def encode_debugger(body: dict[str, Any]) -> bytes:
+    """The payload frame of a DEBUGGER request's arguments or a
+    DEBUGGER_EVENT's body (a value's repr that JSON cannot hold is replaced:
+    the frame is always made)."""
+    return json.dumps(body, separators=(",", ":"), default=repr).encode()
+
+
+def decode_debugger(frame: Any) -> dict[str, Any]:
+    """A debugger request's arguments or answer's body; PayloadError unless
+    it is a JSON object at most MAX_DEBUGGER_BYTES long."""
+    body = _json(frame, MAX_DEBUGGER_BYTES, "debugger")
+    if type(body) is not dict:
+        raise PayloadError("debugger: not an object")
+    return body

@@ -108,6 +108,14 @@ class Kind(str, enum.Enum):
     # and signed by their agent (wire/fold.py; payload: JSON, control id ->
     # the heartbeat's meta)
     BEATS = "beats"
+    # controller -> rank, on the control channel: a request to the rank's
+    # debugger (engine/dap_rank.py; meta: seq, cmd, thread; payload: JSON
+    # arguments, wire/payloads.py)
+    DEBUGGER = "debugger"
+    # rank -> controller: the answer to a DEBUGGER request (meta seq: its
+    # seq, ok, cmd) or an event of the rank's debugger (seq 0, cmd: stopped,
+    # continued; call: the call it stopped in; payload: JSON body)
+    DEBUGGER_EVENT = "debugger_event"
 
 
 # What each kind's meta may hold, and of what JSON type: the one place the
@@ -151,6 +159,8 @@ META: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.INPUT: {"text": _S},
     Kind.PROMPT: {"prompt": _S},
     Kind.RELEASE: {"tok": _S},
+    Kind.DEBUGGER: {"seq": _I, "cmd": _S, "thread": _S},
+    Kind.DEBUGGER_EVENT: {"seq": _I, "cmd": _S, "ok": _B},
 }
 
 
