@@ -295,9 +295,11 @@ def test_kernel_killed_with_training_cell_in_flight(runtime: str) -> None:
         assert r.status == "ok" and "kept mesh 'nb1'" in r.text, r
         assert first.run("%%monarch --setup\nw = torch.ones(2) * (rank + 1)").status == "ok"
         pids = first.run("%%monarch\nimport os\nos.getpid()").text
-        first.execute("%%monarch\nimport time\nfor step in range(10):\n    mnb.log(loss=1 / (step + 1))\n"
+        started = os.path.join(runtime, "training-started")
+        first.execute("%%monarch\nimport os, time\nfor step in range(10):\n    mnb.log(loss=1 / (step + 1))\n"
+                      f"    if step == 1 and rank == 0:\n        open({started!r}, 'w').close()\n"
                       "    time.sleep(0.3)\nprint('epoch done', rank)\nfloat(w.sum())")
-        wait_for(lambda: _any_step_logged(), 20)
+        wait_for(lambda: os.path.exists(started), 30)  # the cell runs on the ranks
         os.kill(first.pid, signal.SIGKILL)
         first.km.provisioner.process.wait(10)  # type: ignore[union-attr]  # (reaped: not a zombie)
         second = KernelSession()
@@ -317,12 +319,6 @@ def test_kernel_killed_with_training_cell_in_flight(runtime: str) -> None:
         first.end()
         if second is not None:
             second.end()
-
-
-def _any_step_logged() -> bool:
-    """A rank of the test's kept mesh has logged a step (its log says so)."""
-    folder = keptfiles.log_dir("nb1")
-    return any(name.startswith("rank") for name in os.listdir(folder))
 
 
 def test_record_is_private(runtime: str) -> None:
