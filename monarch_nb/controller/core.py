@@ -61,7 +61,7 @@ from .calls.calltable import CallTable, PendingCall
 from .calls.dataplane import DataPlane
 from .calls.output import CallOutput
 from .inspector import Inspector
-from .keep import Keep, new_epoch
+from .keep import HELLO_WAIT_S, Keep, new_epoch
 from .life.events import Event, EventKind
 from .life.policy import RestartPolicy
 from .life.rankstates import GONE, LIVE, ON_ITS_WAY, RankState
@@ -109,7 +109,10 @@ class Controller:
                 HomeLauncher(cfg.name, cfg.keep_alive), [], cfg.host_timeout, cfg.spare,
                 cfg.controller_timeout,
                 door=KeptDoor(cfg.name, self.key, start=record is None, force=force,
-                              on_taken=self._taken, log_hint=keptfiles.log_dir(cfg.name)))
+                              on_taken=self._taken, log_hint=keptfiles.log_dir(cfg.name),
+                              local=True, tail=["--keep-alive", f"{cfg.keep_alive:g}",
+                                                "--controller-timeout",
+                                                f"{cfg.controller_timeout:g}"]))
         logdirs.sweep()  # log directories left by controllers that were killed
         self.supervisor = Supervisor(
             world_size=world_size, backend=backend, controller_endpoint=self.io.endpoint,
@@ -242,16 +245,21 @@ class Controller:
         """Spawn every rank (in parallel) and wait until all are READY."""
         self.io.start()
         spawned = threading.Event()
+        spawn_errors: list[BaseException] = []
 
         def spawn_all() -> None:
             try:
                 for info in self.ranks:
                     self.recovery.start_process(info.rank, 0)
+            except Exception as exc:  # said here, not after start_timeout
+                spawn_errors.append(exc)
             finally:
                 spawned.set()
 
         self.io.call_soon(spawn_all)
         spawned.wait(30)
+        if spawn_errors:
+            raise spawn_errors[0]
         deadline = time.monotonic() + self.cfg.start_timeout
         last_ready = -1
         with self._state_changed:
@@ -427,18 +435,7 @@ class Controller:
         self.debugging.tick(now)
         self.recovery.tick(now)
         if now - self._last_ping >= self.cfg.heartbeat_interval:
-            self._last_ping = now
-            keep = self.keep
-            # one message per host behind agents (the same signed frames to each)
-            self.io.send_many([info.ctl_id for info in self.ranks
-                               if info.state in LIVE or info.state in ON_ITS_WAY],
-                              self.codec.sign(Kind.PING) if keep is None else
-                              self.codec.sign(Kind.PING, meta=keep.ping_meta()))
-            if keep is not None:
-                state = keep.state_due(now)
-                home = self._home()
-                if state is not None and home is not None:
-                    home.send("keep", state=state)
+            self._ping(now)
         pending = False
         for call in self.calls:
             call.output.flush(now=now)
@@ -447,6 +444,20 @@ class Controller:
             self.default_output.flush(now=now)
             pending = pending or self.default_output.pending
         return 0.03 if pending else min(0.25, self.cfg.heartbeat_interval)
+
+    def _ping(self, now: float) -> None:
+        self._last_ping = now
+        keep = self.keep
+        # one message per host behind agents (the same signed frames to each)
+        self.io.send_many([info.ctl_id for info in self.ranks
+                           if info.state in LIVE or info.state in ON_ITS_WAY],
+                          self.codec.sign(Kind.PING) if keep is None else
+                          self.codec.sign(Kind.PING, meta=keep.ping_meta()))
+        if keep is not None:
+            state = keep.state_due(now)
+            home = self._home()
+            if state is not None and home is not None:
+                home.send("keep", state=state)
 
     def _judge_liveness(self, info: RankInfo, pid: int, now: float) -> None:
         """Kill a frozen rank so its exit is reported like any death (and so
@@ -522,18 +533,46 @@ class Controller:
                         self.recovery.start_process(rank, self.ranks[rank].incarnation)
                         continue
                     self._adopt_process(agent, child)
+                self._ping(time.monotonic())  # a new epoch: the ranks say HELLO now
             finally:
                 done.set()
 
         self.io.call_soon(take)
         done.wait(30)
-        missing = keep.wait_hellos()
+        # the ranks' sockets reconnect to our port within ~0.1 s: ping until
+        # every live rank said HELLO (a ping before its socket is back is lost)
+        # (and until their main sockets are back too: a call sent before is lost)
+        deadline = time.monotonic() + HELLO_WAIT_S
+        unseen = set(keep.expect)  # ranks whose main socket is not back yet
+        probe = self.codec.sign(Kind.PING)  # (a rank's main loop lets a PING pass)
+
+        looked = threading.Event()
+
+        def look() -> None:
+            try:
+                gone = set(self.io.unreachable([self.ranks[r].main_id for r in unseen], probe))
+                unseen.intersection_update([r for r in unseen
+                                            if self.ranks[r].main_id in gone])
+                if keep.expect - set(keep.hellos):
+                    self._ping(time.monotonic())
+            finally:
+                looked.set()
+
+        while True:
+            looked.clear()
+            self.io.call_soon(look)
+            looked.wait(1.0)
+            missing = keep.wait_hellos(0.02)
+            if (not missing and not unseen) or time.monotonic() > deadline:
+                break
+        missing |= unseen
         for rank in sorted(missing):
             log.warning("monarch_nb: rank %d did not answer the attach", rank)
         adopted = threading.Event()
         def adopt() -> None:
             try:
                 keep.adopt()
+                self._ping(time.monotonic())  # ...and send what they kept now
             finally:
                 adopted.set()
 
@@ -580,6 +619,9 @@ class Controller:
         """The agent says another controller took the mesh over (its reader thread)."""
         if self.keep is not None:
             self.keep.taken = text
+        # at once, before the agent's session ends: its end must not read as
+        # the ranks' deaths (they are the new controller's now)
+        self.recovery.stopped = True
         name = self.cfg.name
         threading.Thread(target=self._let_go, name="monarch-nb-taken", daemon=True, args=(
             f"kept mesh {name!r} was {text}; attach again with Mesh.attach({name!r}, "

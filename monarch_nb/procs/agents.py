@@ -140,10 +140,16 @@ class HostAgent:
         self.attached: dict[str, Any] = {}
         self.taken = ""
         try:
-            with open(log_path, "ab", buffering=0, opener=config.private) as log:
-                self.popen = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
-                                              stdout=subprocess.PIPE, stderr=log,
-                                              start_new_session=True, close_fds=True)
+            if door is not None and door.local:  # this machine's kept agent: its socket, in-process
+                from .keptagent import open_local
+
+                self.popen = open_local(door.name, door.key, door.start,  # type: ignore[assignment]
+                                        door.tail)
+            else:
+                with open(log_path, "ab", buffering=0, opener=config.private) as log:
+                    self.popen = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
+                                                  stdout=subprocess.PIPE, stderr=log,
+                                                  start_new_session=True, close_fds=True)
         except OSError as exc:  # no ssh / srun here: a launch that fails loses the host at once
             self.lost = f"host {host} lost (its agent could not start: {exc})"
             return
@@ -158,7 +164,8 @@ class HostAgent:
         from .keptagent import attach_mac
 
         assert self.popen is not None and self.popen.stdout is not None
-        self.send("door", key=door.key.hex(), start=door.start)
+        if not door.local:  # a door process: its first line (a local session is the agent's)
+            self.send("door", key=door.key.hex(), start=door.start)
         deadline = time.monotonic() + STARTED_TIMEOUT_S
         while time.monotonic() < deadline:
             line = self.popen.stdout.readline(agentwire.MAX_LINE + 1)
@@ -192,6 +199,8 @@ class HostAgent:
         except subprocess.TimeoutExpired:
             self.popen.kill()
             self.popen.wait()
+        if self.popen.pid <= 0:  # a local session: its socket goes too
+            self.popen.kill()
 
     def adopt(self, child: dict[str, Any], log_path: str) -> RemoteRank:
         """A handle on a process a kept mesh's agent already runs (attach)."""
@@ -271,11 +280,13 @@ class HostAgent:
                 handle.lost, handle.returncode = self.lost, LOST_CODE
         for handle in ranks:
             handle.ended(LOST_CODE, self.lost)
-        if self.popen is not None:
+        if self.popen is not None and self.popen.pid > 0:  # (a local kept session has none)
             try:
                 os.killpg(self.popen.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        elif self.popen is not None:
+            self.popen.kill()
 
     def close(self, grace: float) -> None:
         """Stop the agent: its ranks get ``grace`` s, then SIGKILL (there)."""
@@ -292,10 +303,13 @@ class HostAgent:
             try:
                 self.popen.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.popen.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                if self.popen.pid > 0:
+                    try:
+                        os.killpg(self.popen.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                else:
+                    self.popen.kill()
                 self.popen.wait(timeout=5)
         with self._lock:
             ranks = list(self.processes.values())
@@ -315,6 +329,9 @@ class HostAgent:
                 continue
             self._on(msg)
         code = self.popen.wait()
+        if self.taken:  # a kept mesh another controller took over: its ranks live on
+            self.lost = self.lost or self.taken
+            return
         self.lose(f"its session ended (exit code {code})")
 
     def _on(self, msg: dict[str, Any]) -> None:
@@ -379,6 +396,8 @@ class KeptDoor:
     force: bool = False
     on_taken: Callable[[str], None] | None = None
     log_hint: str = ""
+    local: bool = False  # on this machine: its socket in-process, no door process
+    tail: list[str] = field(default_factory=list)  # a new agent's options (--keep-alive ...)
 
 
 @dataclass

@@ -424,13 +424,14 @@ def main(argv: list[str] | None = None) -> int:
                    "(keptagent.py): stdin and stdout are its channel")
     p.add_argument("--serve-kept", metavar="NAME", help=argparse.SUPPRESS)
     p.add_argument("--keep-alive", type=float, default=1800.0)
+    p.add_argument("--key-fd", type=int, default=-1, help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
     tail = ["--keep-alive", f"{ns.keep_alive:g}", "--controller-timeout",
             f"{ns.controller_timeout:g}"]
     if ns.kept:
         return keptagent.door_main(ns.kept, tail)
     if ns.serve_kept:
-        return _serve_kept(ns.serve_kept, ns.keep_alive, ns.controller_timeout)
+        return _serve_kept(ns.serve_kept, ns.keep_alive, ns.controller_timeout, ns.key_fd)
     # stdout is the channel: anything else printed goes to stderr (the agent's log)
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
@@ -442,10 +443,12 @@ def main(argv: list[str] | None = None) -> int:
     return Agent(out, ns.controller_timeout).run(lines)
 
 
-def _serve_kept(name: str, keep_alive: float, controller_timeout: float) -> int:
+def _serve_kept(name: str, keep_alive: float, controller_timeout: float, key_fd: int) -> int:
     """A kept mesh's agent (keptagent.py): its own session, adopted by init,
     its channel the door's socket."""
-    key = keptagent.read_daemon_key()
+    key = keptagent.read_daemon_key(key_fd)
+    if os.getpgid(0) != os.getpid():  # a group of our own: no signal to the starter's reaches us
+        os.setsid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     lines: queue.Queue[bytes | None] = queue.Queue()

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 import queue
 import secrets
@@ -112,6 +111,7 @@ class Door:
     def close(self) -> None:
         """The mesh ends: no more attaches, the runtime files go."""
         self._closed = True
+        keptfiles.remove(self.name)  # first: a controller that saw us go finds nothing
         try:
             self.sock.close()
         except OSError:
@@ -120,7 +120,6 @@ class Door:
             conn, self.current = self.current, None
         if conn is not None:
             conn.close()
-        keptfiles.remove(self.name)
 
     # -- connections ----------------------------------------------------------------------
     def _accept(self) -> None:
@@ -230,7 +229,7 @@ def door_main(name: str, argv_tail: list[str]) -> int:
     NAME's agent, starting the agent first if the first line says so
     (``{"op": "door", "key": ..., "start": true}``; the key goes to a new
     agent on its stdin, never on a command line)."""
-    first = sys.stdin.buffer.readline(agentwire.MAX_LINE + 1)
+    first = _first_line(0)
     try:
         msg = agentwire.decode(first, agentwire.TO_AGENT)
         if msg["op"] != "door":
@@ -247,27 +246,131 @@ def door_main(name: str, argv_tail: list[str]) -> int:
                                 "(its lease ran out, or it was stopped)"))
             sys.stdout.buffer.flush()
             return 1
-        log = open(os.path.join(keptfiles.log_dir(name), "agent.log"), "ab", buffering=0,
-                   opener=lambda p, f: os.open(p, f, 0o600))
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "monarch_nb.agent", "--serve-kept", name, *argv_tail],
-            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, close_fds=True)  # its own session: it outlives us
-        assert daemon.stdin is not None
-        daemon.stdin.write(json.dumps({"key": msg["key"]}).encode() + b"\n")
-        daemon.stdin.close()
-        deadline = time.monotonic() + DOOR_WAIT_S
-        while conn is None and time.monotonic() < deadline and daemon.poll() is None:
-            time.sleep(0.02)
-            conn = _connect(path)
-        if conn is None:
-            sys.stdout.buffer.write(agentwire.encode(
-                "refused", text=f"the agent of kept mesh {name!r} did not start "
-                                f"(see {keptfiles.log_dir(name)}/agent.log)"))
+        try:
+            conn = start_daemon(name, bytes.fromhex(msg["key"]), argv_tail)
+        except OSError as exc:
+            sys.stdout.buffer.write(agentwire.encode("refused", text=str(exc)))
             sys.stdout.buffer.flush()
             return 1
     _pump(conn)
     return 0
+
+
+def start_daemon(name: str, key: bytes, argv_tail: list[str]) -> socket.socket:
+    """Start kept mesh ``name``'s agent, detached (a shell forks it and
+    exits at once: init adopts it, nobody has to reap it, and the caller's
+    death is nothing to it), and connect to it. The key reaches it through a
+    pipe it inherits, never on a command line. OSError if it does not come up."""
+    log_path = os.path.join(keptfiles.log_dir(name), "agent.log")
+    read_end, write_end = os.pipe()
+    try:
+        shell = subprocess.Popen(
+            ["sh", "-c", '"$@" </dev/null >>"$LOG" 2>&1 &', "sh", sys.executable, "-m",
+             "monarch_nb.agent", "--serve-kept", name, "--key-fd", str(read_end), *argv_tail],
+            env={**os.environ, "LOG": log_path}, pass_fds=(read_end,),
+            start_new_session=True, stdin=subprocess.DEVNULL)
+        os.close(read_end)
+        read_end = -1
+        os.write(write_end, key.hex().encode() + b"\n")
+    finally:
+        os.close(write_end)
+        if read_end >= 0:
+            os.close(read_end)
+    shell.wait()
+    path = keptfiles.socket_path(name)
+    deadline = time.monotonic() + DOOR_WAIT_S
+    while time.monotonic() < deadline:
+        conn = _connect(path)
+        if conn is not None:
+            return conn
+        time.sleep(0.02)
+    raise OSError(f"the agent of kept mesh {name!r} did not start (see {log_path})")
+
+
+class _Writer:
+    """The controller's side of a local session: what HostAgent writes to."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.closed = False
+
+    def write(self, data: bytes) -> int:
+        self._sock.sendall(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self._sock.shutdown(socket.SHUT_WR)  # the agent reads its end: we let go
+            except OSError:
+                pass
+
+
+class LocalSession:
+    """A kept agent on this machine, reached in-process through its socket:
+    what a door process's ``Popen`` offers HostAgent (``stdin``, ``stdout``,
+    ``wait``, ``poll``, ``kill``), without a process to start (an attach on
+    this machine costs no interpreter start-up)."""
+
+    pid = 0  # no process of ours: nothing to signal
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.stdin = _Writer(sock)
+        self.stdout = sock.makefile("rb")
+        self.args = "kept agent"
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The session ends when the agent closes it (its reader saw the end)."""
+        if self.returncode is None:
+            ready, _, _ = select.select([self._sock], [], [], timeout)
+            if not ready:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            try:
+                if self._sock.recv(1, socket.MSG_PEEK):
+                    raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            except OSError:
+                pass
+            self.returncode = 0
+        return self.returncode
+
+    def kill(self) -> None:
+        self.returncode = -9 if self.returncode is None else self.returncode
+        _close_quietly(self._sock)
+
+
+def open_local(name: str, key: bytes, start: bool, argv_tail: list[str]) -> LocalSession:
+    """A session with kept mesh ``name``'s agent on this machine, starting it if
+    ``start``; OSError if it is not running (and may not be started)."""
+    conn = _connect(keptfiles.socket_path(name))
+    if conn is None:
+        if not start:
+            raise OSError(f"kept mesh {name!r} is gone: its agent is not running (its lease "
+                          "ran out, or it was stopped)")
+        conn = start_daemon(name, key, argv_tail)
+    return LocalSession(conn)
+
+
+def _first_line(fd: int) -> bytes:
+    """One line of ``fd``, read a byte at a time: what follows it is the
+    agent's, and a buffered reader would swallow it."""
+    data = bytearray()
+    while len(data) < agentwire.MAX_LINE:
+        byte = os.read(fd, 1)
+        if not byte:
+            break
+        data += byte
+        if byte == b"\n":
+            break
+    return bytes(data)
 
 
 def _connect(path: str) -> socket.socket | None:
@@ -312,10 +415,17 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-def read_daemon_key() -> bytes:
-    """A new kept agent's key: the one line its door wrote on its stdin."""
-    line = sys.stdin.buffer.readline(4096)
-    return bytes.fromhex(json.loads(line)["key"])
+def read_daemon_key(fd: int) -> bytes:
+    """A new kept agent's key: the one line written on the pipe ``fd``."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    os.close(fd)
+    return bytes.fromhex(data.decode().strip())
 
 
-__all__ = ["Door", "attach_mac", "door_main", "read_daemon_key"]
+__all__ = ["Door", "LocalSession", "attach_mac", "door_main", "open_local", "read_daemon_key",
+           "start_daemon"]

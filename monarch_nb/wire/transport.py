@@ -192,6 +192,25 @@ class IOLoop:
                              "stop the mesh with monarch-nb stop NAME") from None
         self._kept_bind = None
 
+    def unreachable(self, idents: list[bytes], frames: list[Any]) -> list[bytes]:
+        """Send ``frames`` to each of ``idents`` that is connected; the ones
+        that are not (yet): a kept mesh's new controller waits until its
+        ranks' sockets are back, since the ROUTER drops a message to a
+        routing id it does not know. Run it on the thread that leads."""
+        router, missing = self.router, []
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            for ident in idents:
+                try:
+                    router.send_multipart([ident, *frames], zmq.NOBLOCK)
+                except zmq.ZMQError as exc:
+                    if exc.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
+                        raise
+                    missing.append(ident)
+        finally:
+            router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        return missing
+
     # -- thread-safe API ----------------------------------------------------
     def start(self) -> None:
         self.thread.start()
