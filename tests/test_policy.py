@@ -123,6 +123,22 @@ def test_budget_exhausted_gives_up_with_a_message_that_says_what_to_do() -> None
     assert s.handle(Died(1, now=5.0)) == []
 
 
+def test_a_restart_budget_of_0_says_respawns_are_off_and_how_to_turn_them_on() -> None:
+    """Budget 0 is no respawn at all (torchrun's --max-restarts 0), not a
+    budget spent: the line says so, in the words of the setting's front end."""
+    s = Script(2, budget=0)
+    actions = s.handle(Died(1, now=5.0, cause="SIGKILL"))
+    assert actions == [Move(1, S.DEAD), Move(1, S.FAILED), GiveUp(1, (
+        "rank 1 died (SIGKILL); not respawned: restart_budget=0; start the mesh with "
+        "restart_budget=N (Mesh.start(..., restart_budget=N)) to respawn dead ranks"))]
+    script = Script(2, budget=0, no_restarts="--max-restarts 0 (torchrun's default with "
+                                             "torchrun's flags); pass --max-restarts N")
+    give_up = script.handle(Died(0, now=1.0, cause="exit code 1"))[2]
+    assert give_up == GiveUp(0, "rank 0 died (exit code 1); not respawned: --max-restarts 0 "
+                                "(torchrun's default with torchrun's flags); pass --max-restarts N")
+    assert "times within" not in give_up.reason and "Fix the cause" not in give_up.reason
+
+
 def test_budget_counts_only_deaths_inside_the_window() -> None:
     s = Script(1, budget=2, window=100.0, base=0.0)
     for t in (0.0, 50.0, 200.0, 250.0):  # never more than 2 within 100 s

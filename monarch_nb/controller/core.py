@@ -131,7 +131,8 @@ class Controller:
         self._state_changed = threading.Condition()
         self._last_ping = 0.0
         policy = RestartPolicy(self.ranks, mode=cfg.respawn, budget=cfg.restart_budget,
-                               window=cfg.restart_window)
+                               window=cfg.restart_window,
+                               no_restarts=cfg.no_restarts_hint or RestartPolicy.no_restarts)
         self.recovery = Recovery(cfg, self.ranks, self.calls, self.supervisor, self.io,
                                  self.codec, policy, announce=self._announce,
                                  dispatch=lambda call: self.caller.dispatch(call),

@@ -26,7 +26,7 @@ Decisions::
 
     Died (a rank with a process)   -> Move DEAD, then
         mode "off"                 -> Report (it stays DEAD, the survivors carry on)
-        budget spent               -> Move FAILED, GiveUp (only a restart revives it)
+        budget spent (or 0)        -> Move FAILED, GiveUp (only a restart revives it)
         else                       -> Move WAITING, due after the backoff
                                       (mode "all": every other rank with a process too,
                                       Kill + Move DEAD + Move WAITING)
@@ -53,7 +53,9 @@ cell should not wait), then ``base * 2**(k-1)`` seconds with +/-25 % jitter,
 capped at ``cap``. Budget: at most ``budget`` respawns of a rank within
 ``window`` seconds; past it the rank is FAILED with a message that says why
 and what to do. A rank that stayed up for ``window`` seconds has a clean slate
-again, since its old deaths fall out of the window.
+again, since its old deaths fall out of the window. A budget of 0 means no
+respawn at all (torchrun's ``--max-restarts 0``): the message then says so,
+and how to turn respawns on (``no_restarts``), not that a budget was spent.
 
 Not here: *doing* any of it (recovery.py carries the actions out), the
 states and their allowed moves (rankstates.py).
@@ -256,6 +258,10 @@ class RestartPolicy:
     base: float = 0.5
     cap: float = 30.0
     rng: random.Random = field(default_factory=lambda: random.Random(0))
+    # with budget 0, why a dead rank is not respawned and how to turn respawns
+    # on, as the user would set it (script mode names its --max-restarts)
+    no_restarts: str = ("restart_budget=0; start the mesh with restart_budget=N "
+                        "(Mesh.start(..., restart_budget=N)) to respawn dead ranks")
 
     def __post_init__(self) -> None:
         if self.mode not in ("rank", "all", "off"):
@@ -299,10 +305,13 @@ class RestartPolicy:
         deaths = self.deaths[rank] = [t for t in self.deaths[rank] if ev.now - t < self.window] + [ev.now]
         if len(deaths) > self.budget:
             snap.move(rank, S.FAILED)
-            snap.actions.append(GiveUp(rank, (
-                f"rank {rank} died {len(deaths)} times within {self.window:g} s "
-                f"(last: {ev.cause}); not respawning it again. Fix the cause (see "
-                f"%monarch logs {rank}), then %monarch restart {rank}")))
+            if self.budget == 0:  # respawns are off: no budget was spent
+                reason = f"rank {rank} died ({ev.cause}); not respawned: {self.no_restarts}"
+            else:
+                reason = (f"rank {rank} died {len(deaths)} times within {self.window:g} s "
+                          f"(last: {ev.cause}); not respawning it again. Fix the cause (see "
+                          f"%monarch logs {rank}), then %monarch restart {rank}")
+            snap.actions.append(GiveUp(rank, reason))
             return
         at = ev.now + self._delay(len(deaths))
         self._wait(snap, rank, at)
