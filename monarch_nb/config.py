@@ -129,7 +129,11 @@ class MeshConfig:
         one rank within ``restart_window`` seconds; past it the rank is
         FAILED until a user's restart. 0: no respawn at all (torchrun's
         ``--max-restarts 0``), and a dead rank's line says so and how to turn
-        respawns on (``no_restarts_hint``).
+        respawns on (``no_restarts_hint``). Backoff, for crash loops only: a
+        rank whose process answered one of the user's calls was working and
+        is respawned at once, however often it died; one whose process dies
+        again before it answered anything waits before each respawn, 0.5 s
+        doubling with each further death in a row (+/-25 %, at most 30 s).
     no_restarts_hint: with ``restart_budget=0``, what follows "not
         respawned: " in a dead rank's line: the setting as the user gave it,
         and how to turn respawns on. ``None``: the Python API's words

@@ -123,6 +123,55 @@ def test_budget_exhausted_gives_up_with_a_message_that_says_what_to_do() -> None
     assert s.handle(Died(1, now=5.0)) == []
 
 
+def _respawn_delay(s: Script, rank: int, died: Died) -> float:
+    """How long after ``died`` the policy respawns ``rank`` (its Timer
+    scripted to the due time); the new process then says READY."""
+    actions = s.handle(died)
+    assert actions[:2] == [Move(rank, S.DEAD), Move(rank, S.WAITING)], actions
+    delay = 0.0
+    if not any(isinstance(a, Respawn) for a in actions):
+        deadline = s.p.next_deadline()
+        assert deadline is not None and s.state(rank) == S.WAITING
+        delay = deadline - died.now
+        assert s.handle(Timer(now=deadline - 0.001)) == []  # not yet
+        actions = s.handle(Timer(now=deadline))
+    assert Respawn(rank, s.t[rank].incarnation) in actions, actions
+    s.ready(rank)
+    return delay
+
+
+def test_a_working_rank_is_respawned_at_once_however_often_it_died() -> None:
+    """The backoff is for crash loops only: a rank whose process answered a
+    call (it was working) is respawned at once, the fifth kill in a row as
+    the first; its budget still counts every death."""
+    s = Script(2, base=0.5, rng=random.Random(3))
+    delays = [_respawn_delay(s, 1, Died(1, now=10.0 * k, cause="SIGKILL", answered=True))
+              for k in range(5)]
+    assert delays == [0.0] * 5
+    # the budget (5 respawns within the window) counts working deaths too
+    assert isinstance(s.handle(Died(1, now=50.0, answered=True))[2], GiveUp)
+    assert s.state(1) == S.FAILED
+
+
+def test_a_rank_that_dies_before_it_answered_is_backed_off_as_a_crash_loop() -> None:
+    """A process that dies again before it answered anything since it came
+    back is backed off as before (0.5 s, 1 s, 2 s: base * 2**(k-1) +/- 25 %,
+    k counting the deaths in a row since the last working process's);
+    once a process answers, its death is respawned at once and the count
+    starts afresh."""
+    s = Script(2, base=0.5, rng=random.Random(5))
+    died = [Died(0, now=0.0, answered=True),  # a working process: at once
+            Died(0, now=1.0), Died(0, now=3.0), Died(0, now=6.0),  # a crash loop: backed off
+            Died(0, now=20.0, answered=True),  # working again: at once
+            Died(0, now=21.0)]  # and a loop starts afresh: the first backoff
+    s.p.budget = len(died)
+    delays = [_respawn_delay(s, 0, d) for d in died]
+    assert delays[0] == delays[4] == 0.0, delays
+    for k, delay in ((1, delays[1]), (2, delays[2]), (3, delays[3]), (1, delays[5])):
+        nominal = 0.5 * 2 ** (k - 1)
+        assert 0.75 * nominal <= delay <= 1.25 * nominal, (k, delays)
+
+
 def test_a_restart_budget_of_0_says_respawns_are_off_and_how_to_turn_them_on() -> None:
     """Budget 0 is no respawn at all (torchrun's --max-restarts 0), not a
     budget spent: the line says so, in the words of the setting's front end."""

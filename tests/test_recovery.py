@@ -3,6 +3,8 @@ hang, cost a healthy process, raise a false alarm or lose a call.
 
 * a rank given up (restart budget spent) ends an ``--elastic`` run with an
   error that says what to do, and ``restart`` brings the mesh back;
+* a rank that was answering calls is respawned at once however often it is
+  killed; one that dies before it answered anything is backed off;
 * a rank respawned while a user thread led the I/O loop outlives that thread;
 * a rank killed while idle costs no survivor its process;
 * no false alarms: a logging elastic run is not "without progress", a failed
@@ -121,6 +123,37 @@ def test_a_rank_given_up_ends_the_elastic_run_and_restart_recovers() -> None:
         mesh.restart(1)
         wait_for(lambda: _back(mesh, 1, 2), timeout=30, what="rank 1 restarted")
         assert mesh.exec(ALL_REDUCE, timeout=30) == dict.fromkeys(range(4), 4.0)
+
+
+def _respawn_gaps(mesh: Mesh, rank: int) -> dict[int, float]:
+    """incarnation -> seconds from the death of the one before it to its respawn
+    (the policy's backoff, without the new process's start-up)."""
+    died = {e["incarnation"]: e["time"] for e in mesh.events
+            if e["rank"] == rank and e["kind"] == "died"}
+    return {e["incarnation"]: e["time"] - died[e["incarnation"] - 1] for e in mesh.events
+            if e["rank"] == rank and e["kind"] == "respawned"}
+
+
+@pytest.mark.timeout(120)
+def test_a_working_rank_is_respawned_at_once_and_a_crash_loop_backed_off() -> None:
+    """The controller tells the policy whether a dead process had answered a
+    call: rank 1, killed four times in a row each time after it answered a
+    call, is respawned at once each time (it used to wait 0.5, 1 and 2 s);
+    killed again before it answered anything, it waits out a backoff."""
+    with Mesh.start(n=2, backend="cpu") as mesh:
+        for k in range(1, 5):
+            assert mesh.run(mnb.incarnation, timeout=60) == {0: 0, 1: k - 1}  # it answered
+            mesh.kill(1)
+            wait_for(lambda: _back(mesh, 1, k), timeout=30, what=f"rank 1 back ({k})")
+        mesh.kill(1)  # incarnation 4 answered nothing: a crash loop's second death
+        wait_for(lambda: _back(mesh, 1, 5), timeout=30, what="rank 1 back (5)")
+        gaps = _respawn_gaps(mesh, 1)
+        print(f"\ndeath to respawn, by incarnation: "
+              f"{ {inc: round(gap, 2) for inc, gap in sorted(gaps.items())} }")
+        # at once: below the shortest backoff (0.5 s - 25 %)
+        assert all(gaps[inc] < 0.75 * 0.5 for inc in range(1, 5)), gaps
+        assert 0.75 * 0.5 <= gaps[5] <= 1.25 * 0.5 + 1.0, gaps  # base 0.5 s +/- 25 % (+ ticks)
+        assert mesh.run(mnb.incarnation, timeout=60) == {0: 0, 1: 5}
 
 
 # -- 2 ---------------------------------------------------------------------------------------

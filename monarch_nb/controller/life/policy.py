@@ -48,11 +48,21 @@ action.
 
 Modes: ``rank`` replaces only the dead rank; ``all`` replaces every rank
 (the survivors are restarted too, torchrun-style); ``off`` reports and keeps
-the survivors. Backoff: the first respawn of a rank is immediate (a training
-cell should not wait), then ``base * 2**(k-1)`` seconds with +/-25 % jitter,
-capped at ``cap``. Budget: at most ``budget`` respawns of a rank within
-``window`` seconds; past it the rank is FAILED with a message that says why
-and what to do. A rank that stayed up for ``window`` seconds has a clean slate
+the survivors.
+
+Backoff, for crash loops only. A process that answered one of the user's
+calls (``Died.answered``: a result or its own error; a replayed ``--setup``
+cell is no answer) was working: it is respawned at once, however often its
+rank died before (kills, an OOM, a lost GPU are not a loop). A process that
+dies before it answered anything since it came back is in a crash loop,
+backed off as such: the loop's first respawn at once (a training cell
+should not wait), then ``base * 2**(k-1)`` seconds before the k-th after
+it, with +/-25 % jitter, capped at ``cap``. A loop starts afresh at each
+working process's death; deaths older than ``window`` drop out of it.
+
+Budget: at most ``budget`` respawns of a rank within ``window`` seconds,
+working or not; past it the rank is FAILED with a message that says why and
+what to do. A rank that stayed up for ``window`` seconds has a clean slate
 again, since its old deaths fall out of the window. A budget of 0 means no
 respawn at all (torchrun's ``--max-restarts 0``): the message then says so,
 and how to turn respawns on (``no_restarts``), not that a budget was spent.
@@ -82,12 +92,15 @@ _NO_PROCESS = GONE  # DEAD, WAITING, FAILED, LOST, STOPPED
 @dataclass(frozen=True)
 class Died:
     """A rank's process ended. ``incarnation`` says which process: the death
-    of one that was already replaced (we killed it to restart it) is old news."""
+    of one that was already replaced (we killed it to restart it) is old news.
+    ``answered``: that process answered one of the user's calls (it was
+    working: no backoff)."""
 
     rank: int
     now: float
     cause: str = ""
     incarnation: int | None = None
+    answered: bool = False
 
 
 @dataclass(frozen=True)
@@ -268,6 +281,9 @@ class RestartPolicy:
             raise ValueError(f"unknown respawn mode {self.mode!r}")
         n = len(self.table)
         self.deaths: list[list[float]] = [[] for _ in range(n)]  # times of deaths in the window
+        # times of the deaths of the crash loop a rank is in (the backoff): since,
+        # and with, the death of its last process that answered a call
+        self.loop: list[list[float]] = [[] for _ in range(n)]
         self._due: dict[int, float] = {}  # rank -> when its scheduled respawn is due
 
     def handle(self, event: Stimulus) -> list[Action]:
@@ -313,7 +329,12 @@ class RestartPolicy:
                           f"%monarch logs {rank}), then %monarch restart {rank}")
             snap.actions.append(GiveUp(rank, reason))
             return
-        at = ev.now + self._delay(len(deaths))
+        # backoff for crash loops only: a working process's death starts one afresh
+        if ev.answered:
+            self.loop[rank] = [ev.now]
+        else:
+            self.loop[rank] = [t for t in self.loop[rank] if ev.now - t < self.window] + [ev.now]
+        at = ev.now + self._delay(len(self.loop[rank]))
         self._wait(snap, rank, at)
         if self.mode == "all":
             for other in range(len(self.table)):
@@ -336,6 +357,7 @@ class RestartPolicy:
                 snap.actions.append(Kill(rank))
                 snap.move(rank, S.DEAD)
             self.deaths[rank] = []  # a deliberate restart is not a failure
+            self.loop[rank] = []
             self._wait(snap, rank, ev.now)
         self._timer(snap, ev.now)
 

@@ -172,7 +172,8 @@ class Recovery:
             actions = self.policy.handle(HostLost(host, tuple(ranks), time.monotonic(),
                                                   self.supervisor.replacement_host(host)))
         else:  # the policy moves it DEAD, then WAITING / FAILED (or keeps it DEAD)
-            actions = self.policy.handle(Died(rank, time.monotonic(), cause, info.incarnation))
+            actions = self.policy.handle(Died(rank, time.monotonic(), cause, info.incarnation,
+                                              answered=info.answered))
         for r in ranks:
             self._announce(f"monarch_nb: {errors[r].headline}")
         self.apply(actions)  # first: a GiveUp ends the calls with its own reason
