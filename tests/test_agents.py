@@ -20,16 +20,18 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from monarch_nb import Mesh, MonarchError, UsageError
+from monarch_nb import MembershipChanged, Mesh, MonarchError, RankDied, RankErrors, UsageError
 from monarch_nb.procs import agentwire
 from monarch_nb.ui.status import format_status
 from monarch_nb.wire.protocol import Kind
@@ -107,9 +109,10 @@ def two_hosts(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
     yield {"n": "4", "hosts": "hA,hB"}
 
 
-def _start(spare_hosts: str = "") -> Mesh:
+def _start(spare_hosts: str = "", **options: Any) -> Mesh:
     mesh = Mesh.start(n=4, backend="cpu", launcher="ssh", hosts="hA,hB", bind="127.0.0.1",
-                      master_addr="127.0.0.1", start_timeout=90, spare_hosts=spare_hosts)
+                      master_addr="127.0.0.1", start_timeout=90, spare_hosts=spare_hosts,
+                      **options)
     mesh.exec("import torch, torch.distributed as dist")
     return mesh
 
@@ -438,3 +441,57 @@ def test_an_elastic_training_cell_survives_a_lost_host_on_a_spare(two_hosts: dic
         assert [s["incarnation"] for s in mesh.status()] == [0, 0, 1, 1]
     finally:
         mesh.stop()
+
+
+@pytest.mark.parametrize("how", ["killed", "silent"])
+def test_a_lost_host_without_a_spare_ends_a_running_elastic_call(two_hosts: dict, tmp_path: Path,
+                                                                 how: str) -> None:
+    """No spare host: the elastic training cell cannot go on without host
+    hB's ranks. The survivors wait for a re-formation that will not come
+    (their own timeout is 300 s); the controller knows when it declares the
+    host lost and tells them: the call ends within ``host_timeout`` + 2 s of
+    the loss, every error naming the host, and the survivors answer the next
+    call at once. ``killed``: the agent and its ranks killed (its session
+    ends: lost at once); ``silent``: the ranks killed, the agent frozen
+    (lost after ``host_timeout`` of silence)."""
+    host_timeout = 3.0
+    progress = tmp_path / "step"
+    cell = (TRAIN.replace("PROGRESS", repr(str(progress))).replace("PAUSE", "0.05")
+            .replace("state.step < 60", "state.step < 10**6"))
+    mesh = _start(host_timeout=host_timeout)
+    agent = None
+    try:
+        future = mesh.exec(cell, elastic=True, block=False)
+        wait_for(lambda: _step(progress) >= 5, timeout=120, what="the training loop to run")
+        agent = _agent_of(mesh.status()[3]["pid"])
+        t0 = time.monotonic()
+        if how == "killed":
+            _lose(agent)
+        else:
+            agent.suspend()
+            for proc in _workers(agent):  # (zombies until the agent is killed with its host)
+                proc.kill()
+        err = future.exception(timeout=host_timeout + 30)  # a hang fails here
+        ended = time.monotonic() - t0
+        assert isinstance(err, RankErrors), repr(err)
+        print(f"\nlost host ({how}): the elastic call ended {ended:.2f} s after the loss "
+              f"(host_timeout {host_timeout:g} s)")
+        text = str(err)
+        assert ended <= host_timeout + 2, text
+        assert sorted(err.errors) == [0, 1, 2, 3], text
+        for r in (2, 3):
+            assert isinstance(err.errors[r], RankDied) and "host hB lost" in str(err.errors[r]), text
+        for r in (0, 1):
+            assert isinstance(err.errors[r], MembershipChanged), text
+            assert err.errors[r].dead == (2, 3), text
+            assert "host hB lost" in str(err.errors[r]), text
+            assert "no re-formation" in str(err.errors[r]), text
+        t1 = time.monotonic()
+        assert mesh.ranks("0,1").run(lambda: "here", timeout=10) == {0: "here", 1: "here"}
+        print(f"the survivors answered the next call {time.monotonic() - t1:.2f} s later")
+        assert [s["state"] for s in mesh.status()] == ["ready", "ready", "lost", "lost"]
+    finally:
+        mesh.stop()
+        if agent is not None:
+            _tidy(agent.pid)
+

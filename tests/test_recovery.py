@@ -3,6 +3,9 @@ hang, cost a healthy process, raise a false alarm or lose a call.
 
 * a rank given up (restart budget spent) ends an ``--elastic`` run with an
   error that says what to do, and ``restart`` brings the mesh back;
+* a rank not respawned (``restart_budget=0``) ends a running ``--elastic``
+  call within 2 s, saying why and how to turn respawns on, and the
+  survivors answer the next call at once;
 * a rank that was answering calls is respawned at once however often it is
   killed; one that dies before it answered anything is backed off;
 * a rank respawned while a user thread led the I/O loop outlives that thread;
@@ -122,6 +125,40 @@ def test_a_rank_given_up_ends_the_elastic_run_and_restart_recovers() -> None:
         assert re.search(r"\b(2 times|twice)\b", text), text  # its deaths
         mesh.restart(1)
         wait_for(lambda: _back(mesh, 1, 2), timeout=30, what="rank 1 restarted")
+        assert mesh.exec(ALL_REDUCE, timeout=30) == dict.fromkeys(range(4), 4.0)
+
+
+@pytest.mark.timeout(120)
+def test_an_elastic_run_ends_at_once_when_the_dead_rank_is_not_respawned() -> None:
+    """``restart_budget=0`` (what torchrun's flags default to): rank 1, killed
+    in the middle of an elastic loop, is not respawned. The survivors wait
+    for a re-formation that will not come (their own timeout is 300 s); the
+    controller knows at once and tells them: the call ends within 2 s of
+    the kill, rank 1's error saying why and how to turn respawns on, the
+    survivors' naming rank 1; they answer the next call at once."""
+    with Mesh.start(n=4, backend="cpu", restart_budget=0) as mesh:
+        fut = mesh.exec_async(_train(10**6, 0.05), elastic=True)
+        wait_for(lambda: min(_step(mesh, r) for r in range(4)) >= 5, timeout=30,
+                 what="the training loop to run")
+        t0 = time.monotonic()
+        mesh.kill(1)
+        err = _outcome(fut, 30, "the elastic call after rank 1 died, not respawned")
+        ended = time.monotonic() - t0
+        print(f"\nrank 1 not respawned: the elastic call ended {ended:.2f} s after the kill")
+        assert isinstance(err, RankErrors), repr(err)
+        text = str(err)
+        assert ended < 2.0, text
+        assert "not respawned: restart_budget=0" in str(err.errors[1]), text
+        assert "restart_budget=N" in str(err.errors[1]), text
+        for r in (0, 2, 3):
+            assert isinstance(err.errors.get(r), MembershipChanged), text
+            assert err.errors[r].dead == (1,), text
+            assert "no re-formation" in str(err.errors[r]), text
+        t1 = time.monotonic()
+        assert mesh.ranks("0,2,3").run(mnb.rank, timeout=10) == {0: 0, 2: 2, 3: 3}
+        print(f"the survivors answered the next call {time.monotonic() - t1:.2f} s later")
+        mesh.restart(1)
+        wait_for(lambda: _back(mesh, 1, 1), timeout=30, what="rank 1 restarted")
         assert mesh.exec(ALL_REDUCE, timeout=30) == dict.fromkeys(range(4), 4.0)
 
 

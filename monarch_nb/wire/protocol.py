@@ -73,6 +73,7 @@ class Kind(str, enum.Enum):
     EXEC = "exec"  # run cell code (payload: the code; meta: code (before
     # exec_parts moves it to payload 0), name, setup, elastic, generation, check)
     INTERRUPT = "interrupt"  # raise KeyboardInterrupt in the main thread for call c
+    # (meta leave: the call cannot finish, a member is gone for good: leave the group after it)
     PING = "ping"  # controller liveness; ranks exit when pings stop
     STOP = "stop"  # leave cleanly
     STACKS = "stacks"  # return every thread's stack (meta flight: N: also the flight
@@ -124,6 +125,10 @@ META: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.EXEC: {"code": _S, "name": _S, "setup": _B, "elastic": _B, "generation": _I,
                 "check": _I},
     Kind.STACKS: {"flight": _I},  # also the newest N flight-recorder records
+    # leave: the interrupted call cannot finish (a member of the group is gone
+    # for good): leave the group once out of it, releasing the peers still in
+    # a collective with this rank (engine/membership.py)
+    Kind.INTERRUPT: {"leave": _B},
     Kind.HELLO: {"pid": _I, "incarnation": _I, "host": _S},
     Kind.READY: {"device": _S, "pid": _I},
     Kind.FAILED_START: {"error": _S, "tb": _S},

@@ -25,8 +25,10 @@ time its scheduled respawn is due (the backoff).
 Decisions::
 
     Died (a rank with a process)   -> Move DEAD, then
-        mode "off"                 -> Report (it stays DEAD, the survivors carry on)
-        budget spent (or 0)        -> Move FAILED, GiveUp (only a restart revives it)
+        mode "off"                 -> Report (it stays DEAD, the survivors carry on),
+                                      NotComingBack
+        budget spent (or 0)        -> Move FAILED, GiveUp (only a restart revives it),
+                                      NotComingBack
         else                       -> Move WAITING, due after the backoff
                                       (mode "all": every other rank with a process too,
                                       Kill + Move DEAD + Move WAITING)
@@ -34,9 +36,10 @@ Decisions::
     RestartRequested               -> (Kill + Move DEAD if it has a process) Move WAITING,
                                       due now, deaths forgotten
     HostLost (a rank with a process, or WAITING)
-                                   -> Move LOST, Report (no budget spent); with a spare
-                                      host: Respawn(host=spare) keeping the rank number,
-                                      Reform. DEAD / FAILED / LOST / STOPPED: no change.
+                                   -> Move LOST (no budget spent); with a spare host:
+                                      Respawn(host=spare) keeping the rank number, Reform;
+                                      without: Report, NotComingBack.
+                                      DEAD / FAILED / LOST / STOPPED: no change.
     Probed (READY/BUSY, in a collective)  -> ReplaceStuck (RESPAWNING, incarnation + 1)
     SpareCheck                     -> StartSpare while a rank waits out its backoff, or
                                       once the mesh has been settled ``SPARE_DELAY_S``
@@ -45,6 +48,13 @@ Decisions::
 A Died of an incarnation the table has already replaced, or of a rank
 without a process (DEAD, WAITING, FAILED, LOST, STOPPED), is old news: no
 action.
+
+Whoever waits for a re-formation that will not come is told at once: every
+decision that leaves a rank without a process until a user acts (respawn
+off, budget spent, host lost with no spare) ends with :class:`NotComingBack`
+naming the ranks and why. An elastic call's survivors wait for exactly that
+re-formation (mnb.elastic); their own timeout is the last resort, not the
+mechanism.
 
 Modes: ``rank`` replaces only the dead rank; ``all`` replaces every rank
 (the survivors are restarted too, torchrun-style); ``off`` reports and keeps
@@ -77,6 +87,7 @@ import random
 from dataclasses import dataclass, field
 
 from ...errors import lost_host_hint
+from ...rankspans import format_ranks
 from .rankstates import GONE, LIVE, RankState, check
 from .ranktable import RankTable
 
@@ -206,6 +217,17 @@ class Report:
 
 
 @dataclass(frozen=True)
+class NotComingBack:
+    """No re-formation will bring ``ranks`` back until the user acts (respawn
+    off, budget spent, host lost with no spare): whoever waits for one is
+    told now, ``reason`` saying why and what to do. After the ranks' own
+    Report or GiveUp, which end their calls."""
+
+    ranks: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
 class ReplaceStuck:
     """Replace a live member stuck in the old group's collective: a new
     process (``incarnation``) in the current generation, not a failure."""
@@ -219,7 +241,8 @@ class StartSpare:
     """Start a spare process (torch imported, waiting to become a rank)."""
 
 
-Action = Move | Respawn | Kill | Reform | GiveUp | Report | ReplaceStuck | StartSpare
+Action = (Move | Respawn | Kill | Reform | GiveUp | Report | NotComingBack | ReplaceStuck
+          | StartSpare)
 
 
 class _Snapshot:
@@ -317,17 +340,23 @@ class RestartPolicy:
         if self.mode == "off":
             snap.actions.append(Report(rank, f"rank {rank} died ({ev.cause}); respawn is off, "
                                              "the survivors carry on"))
+            snap.actions.append(NotComingBack((rank,), f"rank {rank} is not respawned "
+                                              "(respawn is off)"))
             return
         deaths = self.deaths[rank] = [t for t in self.deaths[rank] if ev.now - t < self.window] + [ev.now]
         if len(deaths) > self.budget:
             snap.move(rank, S.FAILED)
             if self.budget == 0:  # respawns are off: no budget was spent
                 reason = f"rank {rank} died ({ev.cause}); not respawned: {self.no_restarts}"
+                why = f"rank {rank} is not respawned: {self.no_restarts}"
             else:
                 reason = (f"rank {rank} died {len(deaths)} times within {self.window:g} s "
                           f"(last: {ev.cause}); not respawning it again. Fix the cause (see "
                           f"%monarch logs {rank}), then %monarch restart {rank}")
+                why = (f"rank {rank} is not coming back (restart budget spent); "
+                       f"%monarch restart {rank} brings it back")
             snap.actions.append(GiveUp(rank, reason))
+            snap.actions.append(NotComingBack((rank,), why))
             return
         # backoff for crash loops only: a working process's death starts one afresh
         if ev.answered:
@@ -370,10 +399,16 @@ class RestartPolicy:
             snap.move(rank, S.LOST)
             self._due.pop(rank, None)  # a respawn due where it was: not there
             lost.append(rank)
-        if ev.spare is None or not lost:
-            # nothing brings them back: a Report ends their calls, elastic ones too
+        if not lost:
+            return
+        if ev.spare is None:
+            # nothing brings them back: a Report ends their calls, and the
+            # survivors of an elastic call are told no re-formation is coming
             snap.actions.extend(Report(rank, f"rank {rank} lost: host {ev.host} lost; "
                                        + lost_host_hint([rank])) for rank in lost)
+            snap.actions.append(NotComingBack(tuple(lost), (
+                f"host {ev.host} lost with rank {format_ranks(lost)}, and no spare host; "
+                + lost_host_hint(lost))))
             return
         for rank in lost:
             snap.respawn(rank, host=ev.spare)
