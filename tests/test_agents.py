@@ -12,6 +12,9 @@ namespaces, where a lost host is a namespace removed.
   are LOST with the host named and the mesh stays usable, and a host given
   later (``add_hosts`` then ``restart``) takes them; with a spare host they
   come back there on their own, with their rank numbers;
+* without a spare host, an elastic call running when the host is lost (its
+  agent killed, or frozen) ends within ``host_timeout`` + 2 s naming the
+  host, and a call waiting for a rank's respawn backoff there goes out;
 * the agent channel drops what is not one of its messages.
 """
 
@@ -495,3 +498,33 @@ def test_a_lost_host_without_a_spare_ends_a_running_elastic_call(two_hosts: dict
         if agent is not None:
             _tidy(agent.pid)
 
+
+def test_a_call_waiting_for_a_backoff_goes_out_when_the_host_is_lost(two_hosts: dict) -> None:
+    """Rank 2 died again before it answered anything: its respawn waits out a
+    backoff (made 30 s here), and so does a call issued meanwhile. Its host is
+    then lost with no spare: the re-formation that call waits for will not
+    come, so it goes out at once to the ranks that are there, and fails for
+    the lost ones naming the host."""
+    mesh = _start(host_timeout=3.0)
+    try:
+        mesh._ctl.recovery.policy.base = 30.0  # a long backoff: the call waits for sure
+        assert mesh.run(lambda: 1)[2] == 1  # rank 2 answered: its first death is no loop
+        mesh.kill(2)
+        wait_for(lambda: mesh.status()[2]["state"] == "ready" and mesh.status()[2]["incarnation"]
+                 == 1, timeout=60, what="rank 2 back")
+        mesh.kill(2)  # before it answered anything: backed off
+        wait_for(lambda: mesh.status()[2]["state"] == "waiting", timeout=10,
+                 what="rank 2 waiting out its backoff")
+        future = mesh.run_async(lambda: "ran")
+        agent = _agent_of(mesh.status()[3]["pid"])
+        t0 = time.monotonic()
+        _lose(agent)
+        err = future.exception(timeout=30)  # (it waited for the backoff: 30 s)
+        ended = time.monotonic() - t0
+        assert isinstance(err, RankErrors), repr(err)
+        assert ended < 3.0 + 2, ended
+        assert err.results == {0: "ran", 1: "ran"}, err
+        assert sorted(err.errors) == [2, 3] and "host hB lost" in str(err), str(err)
+        assert [(r["state"], r["lost_host"]) for r in mesh.status()[2:]] == [("lost", "hB")] * 2
+    finally:
+        mesh.stop()

@@ -173,7 +173,11 @@ class Recovery:
         if info.silent_for is not None:
             cause = "missed heartbeats"
         if host:  # its host is gone: not a crash to retry there (agents.py): LOST
-            actions = self.policy.handle(HostLost(host, tuple(ranks), time.monotonic(),
+            # and so are its ranks waiting out a backoff: their respawn was due
+            # there (a call waiting for it would wait that long for nothing)
+            waiting = [r for r in self.supervisor.placed_on(host)
+                       if r not in ranks and self.ranks[r].state is RankState.WAITING]
+            actions = self.policy.handle(HostLost(host, tuple(ranks + waiting), time.monotonic(),
                                                   self.supervisor.replacement_host(host)))
         else:  # the policy moves it DEAD, then WAITING / FAILED (or keeps it DEAD)
             actions = self.policy.handle(Died(rank, time.monotonic(), cause, info.incarnation,
