@@ -137,6 +137,19 @@ class MeshConfig:
         by :func:`parse_duration`); ``Mesh.attach(name)`` from any process
         of the same user on this machine takes it over. Without a
         controller for that long every process of the mesh exits.
+    restart_budget, restart_window: at most ``restart_budget`` respawns of
+        one rank within ``restart_window`` seconds; past it the rank is
+        FAILED until a user's restart. 0: no respawn at all (torchrun's
+        ``--max-restarts 0``), and a dead rank's line says so and how to turn
+        respawns on (``no_restarts_hint``). Backoff, for crash loops only: a
+        rank whose process answered one of the user's calls was working and
+        is respawned at once, however often it died; one whose process dies
+        again before it answered anything waits before each respawn, 0.5 s
+        doubling with each further death in a row (+/-25 %, at most 30 s).
+    no_restarts_hint: with ``restart_budget=0``, what follows "not
+        respawned: " in a dead rank's line: the setting as the user gave it,
+        and how to turn respawns on. ``None``: the Python API's words
+        (``restart_budget=0``); script mode names its ``--max-restarts``.
     relay: a *remote* rank's channels go through its host's agent
         (wire/hostrelay.py): one connection per host, one message per host
         for a call to its ranks, batched results and heartbeats. Signed end
@@ -159,6 +172,7 @@ class MeshConfig:
     spare: bool = True
     restart_budget: int = 5  # respawns of one rank within restart_window s, then FAILED
     restart_window: float = 600.0
+    no_restarts_hint: str | None = None
     extra_env: tuple[tuple[str, str], ...] = field(default=())
     nodes: int | None = None
     gpus_per_node: int | None = None
@@ -189,6 +203,9 @@ class MeshConfig:
                 or not self.restart_window > 0):
             raise UsageError(f"restart_window must be a positive number of seconds, "
                              f"not {self.restart_window!r}")
+        if self.no_restarts_hint is not None and not isinstance(self.no_restarts_hint, str):
+            raise UsageError(f"no_restarts_hint must be text or None, "
+                             f"not {self.no_restarts_hint!r}")
         if self.launcher not in LAUNCHERS:
             raise UsageError(f"launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
         check_hang_timeout(self.hang_timeout)

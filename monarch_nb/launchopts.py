@@ -441,6 +441,7 @@ def plan(ns: argparse.Namespace) -> Plan:
     # MeshConfig.restart_budget respawns)
     torchrun = list(getattr(ns, "torchrun", []))
     max_restarts = ns.max_restarts
+    restarts_flag = f"--max-restarts {max_restarts}"
     if torchrun:
         defaulted = []
         if per_node is None and ns.n is None:
@@ -448,6 +449,7 @@ def plan(ns: argparse.Namespace) -> Plan:
             defaulted.append("--nproc-per-node 1")
         if max_restarts is None:
             max_restarts = 0
+            restarts_flag = "--max-restarts 0 (torchrun's default with torchrun's flags)"
             defaulted.append("--max-restarts 0: a dead rank is not respawned")
         if defaulted:
             notes.append(f"monarch_nb: torchrun's flags in use ({', '.join(torchrun)}), so "
@@ -471,6 +473,8 @@ def plan(ns: argparse.Namespace) -> Plan:
         if max_restarts < 0:
             raise UsageError(f"--max-restarts must be 0 or more, not {max_restarts}")
         budget = opts["restart_budget"] = max_restarts
+        if max_restarts == 0:  # what a dead rank's line says instead of a spent budget
+            opts["no_restarts_hint"] = f"{restarts_flag}; pass --max-restarts N"
     for item in (ns.rdzv_conf or "").split(","):
         key, _, value = item.partition("=")
         key = key.strip()

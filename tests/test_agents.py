@@ -12,6 +12,9 @@ namespaces, where a lost host is a namespace removed.
   are LOST with the host named and the mesh stays usable, and a host given
   later (``add_hosts`` then ``restart``) takes them; with a spare host they
   come back there on their own, with their rank numbers;
+* without a spare host, an elastic call running when the host is lost (its
+  agent killed, or frozen) ends within ``host_timeout`` + 2 s naming the
+  host, and a call waiting for a rank's respawn backoff there goes out;
 * the agent channel drops what is not one of its messages.
 """
 
@@ -20,16 +23,18 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from monarch_nb import Mesh, MonarchError, UsageError
+from monarch_nb import MembershipChanged, Mesh, MonarchError, RankDied, RankErrors, UsageError
 from monarch_nb.procs import agentwire
 from monarch_nb.ui.status import format_status
 from monarch_nb.wire.protocol import Kind
@@ -107,9 +112,10 @@ def two_hosts(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
     yield {"n": "4", "hosts": "hA,hB"}
 
 
-def _start(spare_hosts: str = "") -> Mesh:
+def _start(spare_hosts: str = "", **options: Any) -> Mesh:
     mesh = Mesh.start(n=4, backend="cpu", launcher="ssh", hosts="hA,hB", bind="127.0.0.1",
-                      master_addr="127.0.0.1", start_timeout=90, spare_hosts=spare_hosts)
+                      master_addr="127.0.0.1", start_timeout=90, spare_hosts=spare_hosts,
+                      **options)
     mesh.exec("import torch, torch.distributed as dist")
     return mesh
 
@@ -436,5 +442,89 @@ def test_an_elastic_training_cell_survives_a_lost_host_on_a_spare(two_hosts: dic
         assert [r["lost_host"] for r in mesh.status()] == [""] * 4
         assert "lost:" not in format_status(mesh)
         assert [s["incarnation"] for s in mesh.status()] == [0, 0, 1, 1]
+    finally:
+        mesh.stop()
+
+
+@pytest.mark.parametrize("how", ["killed", "silent"])
+def test_a_lost_host_without_a_spare_ends_a_running_elastic_call(two_hosts: dict, tmp_path: Path,
+                                                                 how: str) -> None:
+    """No spare host: the elastic training cell cannot go on without host
+    hB's ranks. The survivors wait for a re-formation that will not come
+    (their own timeout is 300 s); the controller knows when it declares the
+    host lost and tells them: the call ends within ``host_timeout`` + 2 s of
+    the loss, every error naming the host, and the survivors answer the next
+    call at once. ``killed``: the agent and its ranks killed (its session
+    ends: lost at once); ``silent``: the ranks killed, the agent frozen
+    (lost after ``host_timeout`` of silence)."""
+    host_timeout = 3.0
+    progress = tmp_path / "step"
+    cell = (TRAIN.replace("PROGRESS", repr(str(progress))).replace("PAUSE", "0.05")
+            .replace("state.step < 60", "state.step < 10**6"))
+    mesh = _start(host_timeout=host_timeout)
+    agent = None
+    try:
+        future = mesh.exec(cell, elastic=True, block=False)
+        wait_for(lambda: _step(progress) >= 5, timeout=120, what="the training loop to run")
+        agent = _agent_of(mesh.status()[3]["pid"])
+        t0 = time.monotonic()
+        if how == "killed":
+            _lose(agent)
+        else:
+            agent.suspend()
+            for proc in _workers(agent):  # (zombies until the agent is killed with its host)
+                proc.kill()
+        err = future.exception(timeout=host_timeout + 30)  # a hang fails here
+        ended = time.monotonic() - t0
+        assert isinstance(err, RankErrors), repr(err)
+        print(f"\nlost host ({how}): the elastic call ended {ended:.2f} s after the loss "
+              f"(host_timeout {host_timeout:g} s)")
+        text = str(err)
+        assert ended <= host_timeout + 2, text
+        assert sorted(err.errors) == [0, 1, 2, 3], text
+        for r in (2, 3):
+            assert isinstance(err.errors[r], RankDied) and "host hB lost" in str(err.errors[r]), text
+        for r in (0, 1):
+            assert isinstance(err.errors[r], MembershipChanged), text
+            assert err.errors[r].dead == (2, 3), text
+            assert "host hB lost" in str(err.errors[r]), text
+            assert "no re-formation" in str(err.errors[r]), text
+        t1 = time.monotonic()
+        assert mesh.ranks("0,1").run(lambda: "here", timeout=10) == {0: "here", 1: "here"}
+        print(f"the survivors answered the next call {time.monotonic() - t1:.2f} s later")
+        assert [s["state"] for s in mesh.status()] == ["ready", "ready", "lost", "lost"]
+    finally:
+        mesh.stop()
+        if agent is not None:
+            _tidy(agent.pid)
+
+
+def test_a_call_waiting_for_a_backoff_goes_out_when_the_host_is_lost(two_hosts: dict) -> None:
+    """Rank 2 died again before it answered anything: its respawn waits out a
+    backoff (made 30 s here), and so does a call issued meanwhile. Its host is
+    then lost with no spare: the re-formation that call waits for will not
+    come, so it goes out at once to the ranks that are there, and fails for
+    the lost ones naming the host."""
+    mesh = _start(host_timeout=3.0)
+    try:
+        mesh._ctl.recovery.policy.base = 30.0  # a long backoff: the call waits for sure
+        assert mesh.run(lambda: 1)[2] == 1  # rank 2 answered: its first death is no loop
+        mesh.kill(2)
+        wait_for(lambda: mesh.status()[2]["state"] == "ready" and mesh.status()[2]["incarnation"]
+                 == 1, timeout=60, what="rank 2 back")
+        mesh.kill(2)  # before it answered anything: backed off
+        wait_for(lambda: mesh.status()[2]["state"] == "waiting", timeout=10,
+                 what="rank 2 waiting out its backoff")
+        future = mesh.run_async(lambda: "ran")
+        agent = _agent_of(mesh.status()[3]["pid"])
+        t0 = time.monotonic()
+        _lose(agent)
+        err = future.exception(timeout=30)  # (it waited for the backoff: 30 s)
+        ended = time.monotonic() - t0
+        assert isinstance(err, RankErrors), repr(err)
+        assert ended < 3.0 + 2, ended
+        assert err.results == {0: "ran", 1: "ran"}, err
+        assert sorted(err.errors) == [2, 3] and "host hB lost" in str(err), str(err)
+        assert [(r["state"], r["lost_host"]) for r in mesh.status()[2:]] == [("lost", "hB")] * 2
     finally:
         mesh.stop()

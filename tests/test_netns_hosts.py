@@ -5,6 +5,9 @@ host. Losing a host is what it is on a real cluster: every process in its
 namespace killed and the namespace removed. Its ranks come back on the
 spare host with their rank numbers, on the spare's own address, and the
 group answers a collective again; nothing is left in any namespace.
+Without a spare host, an elastic training cell running when the host is
+lost ends within ``host_timeout`` + 2 s with an error naming the host, and
+the survivors answer the next call.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[Hosts]:
-    with netns_hosts(4) as h:  # controller, host A, host B, spare host C
+    # controller, host A, host B, spare host C; host D (lost without a spare)
+    with netns_hosts(5) as h:
         yield h
 
 
@@ -73,6 +78,21 @@ DRIVER = """
 """
 
 
+def _lose_host(ns: str) -> None:
+    """The host goes: its processes, then its network."""
+    victims = _pids_in(ns)
+    assert victims, f"nothing runs on host {ns}"
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    subprocess.run(["ip", "netns", "del", ns], check=True, timeout=30)
+    for pid in victims:  # a killed agent's folder (a real lost host takes it along)
+        for folder in Path("/tmp").glob(f"monarch-nb-agent-{pid}-*"):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def _pids_in(ns: str) -> list[int]:
     res = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
     return [int(p) for p in res.stdout.split()]
@@ -94,17 +114,7 @@ def test_a_lost_host_comes_back_on_the_spare_host(hosts: Hosts, tmp_path: Path) 
             if line.startswith("READY"):
                 break
         assert line.startswith("READY"), "the mesh did not start"
-        victims = _pids_in(b)
-        assert victims, "nothing runs on host B"
-        for pid in victims:  # the host goes: its processes, then its network
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        subprocess.run(["ip", "netns", "del", b], check=True, timeout=30)
-        for pid in victims:  # a killed agent's folder (a real lost host takes it along)
-            for folder in Path("/tmp").glob(f"monarch-nb-agent-{pid}-*"):
-                shutil.rmtree(folder, ignore_errors=True)
+        _lose_host(b)
         proc.stdin.write("lost\n")
         proc.stdin.flush()
         out, _ = proc.communicate(timeout=180)
@@ -122,4 +132,105 @@ def test_a_lost_host_comes_back_on_the_spare_host(hosts: Hosts, tmp_path: Path) 
     assert any(f"host {b} lost" in d for d in result["died"]), result["died"]
     print(f"lost host: ranks back on the spare host in {result['back_s']} s")
     for ns in (hosts.names[0], a, c):  # the mesh stopped: nothing left anywhere
+        assert _pids_in(ns) == [], ns
+
+
+ELASTIC_DRIVER = '''
+    import json, os, sys, time
+    from monarch_nb import Mesh
+
+    hosts, master, bind = sys.argv[1:4]
+    os.environ["MONARCH_NB_SSH"] = "ip netns exec {host} sh -c"
+    TRAIN = """
+    import time, torch, torch.distributed as dist, monarch_nb as mnb
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = mnb.elastic.State(model=model, optimizer=opt, step=0)
+
+    @mnb.elastic.run(state)
+    def train(state):
+        while True:
+            opt.zero_grad()
+            model(torch.ones(8, 4)).sum().backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+            opt.step()
+            state.step += 1
+            state.commit()
+            mnb.log(step=state.step, loss=float(state.step))
+            time.sleep(0.05)
+
+    train()
+    """
+    mesh = Mesh.start(n=4, backend="cpu", launcher="ssh", hosts=hosts, bind=bind,
+                      master_addr=master, start_timeout=90, host_timeout=3)
+    out = {}
+    try:
+        future = mesh.exec(TRAIN, elastic=True, block=False)
+        deadline = time.monotonic() + 60
+        while min(r["step"] or 0 for r in mesh.status()) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not future.done(), future.result()  # training, not failed
+        print("READY", flush=True)
+        sys.stdin.readline()  # the host is gone now
+        try:
+            future.result(timeout=60)
+            out["error"] = None
+        except Exception as exc:
+            out["ended_at"] = time.time()
+            out["error"] = str(exc)
+            out["types"] = {r: type(e).__name__ for r, e in getattr(exc, "errors", {}).items()}
+        t0 = time.monotonic()
+        out["next"] = mesh.ranks("0,1").run(lambda: "here", timeout=10)
+        out["next_s"] = round(time.monotonic() - t0, 2)
+        out["states"] = [r["state"] for r in mesh.status()]
+    finally:
+        mesh.stop()
+    print("RESULT " + json.dumps(out, default=str), flush=True)
+'''
+
+
+def test_a_lost_host_without_a_spare_ends_a_running_elastic_call(hosts: Hosts,
+                                                                 tmp_path: Path) -> None:
+    """4 ranks on hosts A and D, no spare host, an elastic training cell
+    running: host D is lost. The survivors' wait for a re-formation that
+    cannot come ends at once: the cell ends within host_timeout (3 s) + 2 s
+    of the loss, with an error naming the host, and ranks 0,1 answer the
+    next call."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(ELASTIC_DRIVER))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    a, d = hosts.names[1], hosts.names[4]
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", hosts.names[0], sys.executable, str(driver), f"{a},{d}",
+         hosts.addrs[1], hosts.addrs[0]],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        line = ""
+        for line in proc.stdout:
+            if line.startswith("READY"):
+                break
+        assert line.startswith("READY"), "the mesh did not start"
+        lost_at = time.time()
+        _lose_host(d)
+        proc.stdin.write("lost\n")
+        proc.stdin.flush()
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    result = json.loads([x for x in out.splitlines() if x.startswith("RESULT ")][-1][7:])
+    assert result["error"], result
+    ended = result["ended_at"] - lost_at
+    print(f"lost host without a spare: the elastic call ended {ended:.2f} s after the loss "
+          f"(host_timeout 3 s); the survivors answered the next call in {result['next_s']} s")
+    assert ended <= 3 + 2, result
+    assert f"host {d} lost" in result["error"], result
+    assert result["types"] == {"0": "MembershipChanged", "1": "MembershipChanged",
+                               "2": "RankDied", "3": "RankDied"}, result
+    assert result["next"] == {"0": "here", "1": "here"}, result
+    assert result["states"] == ["ready", "ready", "lost", "lost"], result
+    for ns in (hosts.names[0], a):  # the mesh stopped: nothing left anywhere
         assert _pids_in(ns) == [], ns

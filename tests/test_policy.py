@@ -18,6 +18,7 @@ from monarch_nb.controller.life.policy import (
     HostLost,
     Kill,
     Move,
+    NotComingBack,
     Probed,
     Reform,
     ReplaceStuck,
@@ -114,13 +115,84 @@ def test_budget_exhausted_gives_up_with_a_message_that_says_what_to_do() -> None
         s.handle(Timer(now=float(i)))
         s.ready(1)
     actions = s.handle(Died(1, now=4.0, cause="exit code 1"))
-    assert actions[:2] == [Move(1, S.DEAD), Move(1, S.FAILED)] and len(actions) == 3
+    assert actions[:2] == [Move(1, S.DEAD), Move(1, S.FAILED)] and len(actions) == 4
     assert isinstance(actions[2], GiveUp)
     assert "4 times within 600 s" in actions[2].reason
     assert "%monarch restart 1" in actions[2].reason and "%monarch logs 1" in actions[2].reason
+    # whoever waits for a re-formation (an elastic call's survivors) is told now
+    assert actions[3] == NotComingBack((1,), "rank 1 is not coming back (restart budget "
+                                             "spent); %monarch restart 1 brings it back")
     assert s.state(1) == S.FAILED and s.t.gone_for_good(1)
     assert s.handle(Timer(now=1000.0)) == []  # a failed rank is never respawned by itself
     assert s.handle(Died(1, now=5.0)) == []
+
+
+def _respawn_delay(s: Script, rank: int, died: Died) -> float:
+    """How long after ``died`` the policy respawns ``rank`` (its Timer
+    scripted to the due time); the new process then says READY."""
+    actions = s.handle(died)
+    assert actions[:2] == [Move(rank, S.DEAD), Move(rank, S.WAITING)], actions
+    delay = 0.0
+    if not any(isinstance(a, Respawn) for a in actions):
+        deadline = s.p.next_deadline()
+        assert deadline is not None and s.state(rank) == S.WAITING
+        delay = deadline - died.now
+        assert s.handle(Timer(now=deadline - 0.001)) == []  # not yet
+        actions = s.handle(Timer(now=deadline))
+    assert Respawn(rank, s.t[rank].incarnation) in actions, actions
+    s.ready(rank)
+    return delay
+
+
+def test_a_working_rank_is_respawned_at_once_however_often_it_died() -> None:
+    """The backoff is for crash loops only: a rank whose process answered a
+    call (it was working) is respawned at once, the fifth kill in a row as
+    the first; its budget still counts every death."""
+    s = Script(2, base=0.5, rng=random.Random(3))
+    delays = [_respawn_delay(s, 1, Died(1, now=10.0 * k, cause="SIGKILL", answered=True))
+              for k in range(5)]
+    assert delays == [0.0] * 5
+    # the budget (5 respawns within the window) counts working deaths too
+    assert isinstance(s.handle(Died(1, now=50.0, answered=True))[2], GiveUp)
+    assert s.state(1) == S.FAILED
+
+
+def test_a_rank_that_dies_before_it_answered_is_backed_off_as_a_crash_loop() -> None:
+    """A process that dies again before it answered anything since it came
+    back is backed off as before (0.5 s, 1 s, 2 s: base * 2**(k-1) +/- 25 %,
+    k counting the deaths in a row since the last working process's);
+    once a process answers, its death is respawned at once and the count
+    starts afresh."""
+    s = Script(2, base=0.5, rng=random.Random(5))
+    died = [Died(0, now=0.0, answered=True),  # a working process: at once
+            Died(0, now=1.0), Died(0, now=3.0), Died(0, now=6.0),  # a crash loop: backed off
+            Died(0, now=20.0, answered=True),  # working again: at once
+            Died(0, now=21.0)]  # and a loop starts afresh: the first backoff
+    s.p.budget = len(died)
+    delays = [_respawn_delay(s, 0, d) for d in died]
+    assert delays[0] == delays[4] == 0.0, delays
+    for k, delay in ((1, delays[1]), (2, delays[2]), (3, delays[3]), (1, delays[5])):
+        nominal = 0.5 * 2 ** (k - 1)
+        assert 0.75 * nominal <= delay <= 1.25 * nominal, (k, delays)
+
+
+def test_a_restart_budget_of_0_says_respawns_are_off_and_how_to_turn_them_on() -> None:
+    """Budget 0 is no respawn at all (torchrun's --max-restarts 0), not a
+    budget spent: the line says so, in the words of the setting's front end."""
+    s = Script(2, budget=0)
+    actions = s.handle(Died(1, now=5.0, cause="SIGKILL"))
+    assert actions == [Move(1, S.DEAD), Move(1, S.FAILED), GiveUp(1, (
+        "rank 1 died (SIGKILL); not respawned: restart_budget=0; start the mesh with "
+        "restart_budget=N (Mesh.start(..., restart_budget=N)) to respawn dead ranks")),
+        NotComingBack((1,), "rank 1 is not respawned: restart_budget=0; start the mesh with "
+                            "restart_budget=N (Mesh.start(..., restart_budget=N)) to respawn "
+                            "dead ranks")]
+    script = Script(2, budget=0, no_restarts="--max-restarts 0 (torchrun's default with "
+                                             "torchrun's flags); pass --max-restarts N")
+    give_up = script.handle(Died(0, now=1.0, cause="exit code 1"))[2]
+    assert give_up == GiveUp(0, "rank 0 died (exit code 1); not respawned: --max-restarts 0 "
+                                "(torchrun's default with torchrun's flags); pass --max-restarts N")
+    assert "times within" not in give_up.reason and "Fix the cause" not in give_up.reason
 
 
 def test_budget_counts_only_deaths_inside_the_window() -> None:
@@ -133,7 +205,7 @@ def test_budget_counts_only_deaths_inside_the_window() -> None:
 
 def test_user_restart_revives_a_failed_rank_and_clears_its_record() -> None:
     s = Script(2, budget=0)
-    assert isinstance(s.handle(Died(0, now=1.0))[-1], GiveUp)
+    assert isinstance(s.handle(Died(0, now=1.0))[-2], GiveUp)
     actions = s.handle(RestartRequested((0,), now=2.0))
     assert actions == [Move(0, S.WAITING), Respawn(0, incarnation=1),
                        Reform(generation=1, ranks=(0, 1))]
@@ -153,8 +225,9 @@ def test_user_restart_of_a_live_rank_kills_it_first() -> None:
 def test_mode_off_reports_and_keeps_the_survivors() -> None:
     s = Script(3, mode="off")
     actions = s.handle(Died(1, now=0.0, cause="SIGKILL"))
-    assert actions[0] == Move(1, S.DEAD) and len(actions) == 2
+    assert actions[0] == Move(1, S.DEAD) and len(actions) == 3
     assert isinstance(actions[1], Report) and "respawn is off" in actions[1].message
+    assert actions[2] == NotComingBack((1,), "rank 1 is not respawned (respawn is off)")
     assert s.states() == [S.READY, S.DEAD, S.READY] and s.t.gone_for_good(1)
     assert s.handle(Timer(now=99.0)) == []
     assert s.handle(Died(1, now=100.0)) == []  # a second report of the same death
@@ -225,7 +298,9 @@ def test_host_lost_without_spare_moves_its_ranks_to_lost_without_spending_budget
     s = Script(4, budget=1)
     acts = s.handle(HostLost("h1", (1, 2), now=5.0))
     assert acts == [Move(1, S.LOST), Move(2, S.LOST), Report(1, "rank 1 lost: host h1 lost; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 1"),
-                    Report(2, "rank 2 lost: host h1 lost; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 2")]
+                    Report(2, "rank 2 lost: host h1 lost; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 2"),
+                    # no re-formation brings them back: whoever waits for one is told now
+                    NotComingBack((1, 2), "host h1 lost with rank 1,2, and no spare host; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 1,2")]
     assert s.states() == [S.READY, S.LOST, S.LOST, S.READY]
     # gone, awaiting a host (a user's restart): calls to it are refused, not held
     assert s.t.gone_for_good(1) and not s.t.coming_back(1) and not s.t.reform_pending()
@@ -267,7 +342,8 @@ def test_host_lost_for_ranks_already_dead() -> None:
     s.handle(Died(1, now=0.1))  # again: WAITING out a backoff
     assert s.states()[:2] == [S.FAILED, S.WAITING] and s.p.next_deadline() is not None
     acts = s.handle(HostLost("h1", (0, 1), now=0.2))
-    assert acts == [Move(1, S.LOST), Report(1, "rank 1 lost: host h1 lost; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 1")]
+    assert acts == [Move(1, S.LOST), Report(1, "rank 1 lost: host h1 lost; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 1"),
+                    NotComingBack((1,), "host h1 lost with rank 1, and no spare host; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 1")]
     assert s.states()[:2] == [S.FAILED, S.LOST] and s.p.next_deadline() is None
     assert s.handle(Timer(now=99.0)) == []
     assert s.handle(HostLost("h1", (0, 1), now=1.0)) == []  # lost twice: once is news
@@ -286,7 +362,8 @@ def test_host_lost_during_a_respawn_or_a_kill() -> None:
     s.t.move(1, S.DYING)  # we sent it a KILL, its exit not seen yet
     acts = s.handle(HostLost("h1", (0, 1), now=1.0))
     assert acts == [Move(0, S.LOST), Move(1, S.LOST), Report(0, "rank 0 lost: host h1 lost; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 0"),
-                    Report(1, "rank 1 lost: host h1 lost; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 1")]
+                    Report(1, "rank 1 lost: host h1 lost; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 1"),
+                    NotComingBack((0, 1), "host h1 lost with rank 0,1, and no spare host; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 0,1")]
     assert s.handle(Died(1, now=1.1, incarnation=0)) == []
 
 

@@ -3,6 +3,11 @@ hang, cost a healthy process, raise a false alarm or lose a call.
 
 * a rank given up (restart budget spent) ends an ``--elastic`` run with an
   error that says what to do, and ``restart`` brings the mesh back;
+* a rank not respawned (``restart_budget=0``) ends a running ``--elastic``
+  call within 2 s, saying why and how to turn respawns on, and the
+  survivors answer the next call at once;
+* a rank that was answering calls is respawned at once however often it is
+  killed; one that dies before it answered anything is backed off;
 * a rank respawned while a user thread led the I/O loop outlives that thread;
 * a rank killed while idle costs no survivor its process;
 * no false alarms: a logging elastic run is not "without progress", a failed
@@ -121,6 +126,71 @@ def test_a_rank_given_up_ends_the_elastic_run_and_restart_recovers() -> None:
         mesh.restart(1)
         wait_for(lambda: _back(mesh, 1, 2), timeout=30, what="rank 1 restarted")
         assert mesh.exec(ALL_REDUCE, timeout=30) == dict.fromkeys(range(4), 4.0)
+
+
+@pytest.mark.timeout(120)
+def test_an_elastic_run_ends_at_once_when_the_dead_rank_is_not_respawned() -> None:
+    """``restart_budget=0`` (what torchrun's flags default to): rank 1, killed
+    in the middle of an elastic loop, is not respawned. The survivors wait
+    for a re-formation that will not come (their own timeout is 300 s); the
+    controller knows at once and tells them: the call ends within 2 s of
+    the kill, rank 1's error saying why and how to turn respawns on, the
+    survivors' naming rank 1; they answer the next call at once."""
+    with Mesh.start(n=4, backend="cpu", restart_budget=0) as mesh:
+        fut = mesh.exec_async(_train(10**6, 0.05), elastic=True)
+        wait_for(lambda: min(_step(mesh, r) for r in range(4)) >= 5, timeout=30,
+                 what="the training loop to run")
+        t0 = time.monotonic()
+        mesh.kill(1)
+        err = _outcome(fut, 30, "the elastic call after rank 1 died, not respawned")
+        ended = time.monotonic() - t0
+        print(f"\nrank 1 not respawned: the elastic call ended {ended:.2f} s after the kill")
+        assert isinstance(err, RankErrors), repr(err)
+        text = str(err)
+        assert ended < 2.0, text
+        assert "not respawned: restart_budget=0" in str(err.errors[1]), text
+        assert "restart_budget=N" in str(err.errors[1]), text
+        for r in (0, 2, 3):
+            assert isinstance(err.errors.get(r), MembershipChanged), text
+            assert err.errors[r].dead == (1,), text
+            assert "no re-formation" in str(err.errors[r]), text
+        t1 = time.monotonic()
+        assert mesh.ranks("0,2,3").run(mnb.rank, timeout=10) == {0: 0, 2: 2, 3: 3}
+        print(f"the survivors answered the next call {time.monotonic() - t1:.2f} s later")
+        mesh.restart(1)
+        wait_for(lambda: _back(mesh, 1, 1), timeout=30, what="rank 1 restarted")
+        assert mesh.exec(ALL_REDUCE, timeout=30) == dict.fromkeys(range(4), 4.0)
+
+
+def _respawn_gaps(mesh: Mesh, rank: int) -> dict[int, float]:
+    """incarnation -> seconds from the death of the one before it to its respawn
+    (the policy's backoff, without the new process's start-up)."""
+    died = {e["incarnation"]: e["time"] for e in mesh.events
+            if e["rank"] == rank and e["kind"] == "died"}
+    return {e["incarnation"]: e["time"] - died[e["incarnation"] - 1] for e in mesh.events
+            if e["rank"] == rank and e["kind"] == "respawned"}
+
+
+@pytest.mark.timeout(120)
+def test_a_working_rank_is_respawned_at_once_and_a_crash_loop_backed_off() -> None:
+    """The controller tells the policy whether a dead process had answered a
+    call: rank 1, killed four times in a row each time after it answered a
+    call, is respawned at once each time (it used to wait 0.5, 1 and 2 s);
+    killed again before it answered anything, it waits out a backoff."""
+    with Mesh.start(n=2, backend="cpu") as mesh:
+        for k in range(1, 5):
+            assert mesh.run(mnb.incarnation, timeout=60) == {0: 0, 1: k - 1}  # it answered
+            mesh.kill(1)
+            wait_for(lambda: _back(mesh, 1, k), timeout=30, what=f"rank 1 back ({k})")
+        mesh.kill(1)  # incarnation 4 answered nothing: a crash loop's second death
+        wait_for(lambda: _back(mesh, 1, 5), timeout=30, what="rank 1 back (5)")
+        gaps = _respawn_gaps(mesh, 1)
+        print(f"\ndeath to respawn, by incarnation: "
+              f"{ {inc: round(gap, 2) for inc, gap in sorted(gaps.items())} }")
+        # at once: below the shortest backoff (0.5 s - 25 %)
+        assert all(gaps[inc] < 0.75 * 0.5 for inc in range(1, 5)), gaps
+        assert 0.75 * 0.5 <= gaps[5] <= 1.25 * 0.5 + 1.0, gaps  # base 0.5 s +/- 25 % (+ ticks)
+        assert mesh.run(mnb.incarnation, timeout=60) == {0: 0, 1: 5}
 
 
 # -- 2 ---------------------------------------------------------------------------------------

@@ -158,6 +158,12 @@ def test_torchrun_defaults_follow_torchrun_flags() -> None:
     note = "\n".join(theirs.notes)
     assert "torchrun's defaults apply" in note and "--standalone" in note
     assert "--nproc-per-node 1" in note and "--max-restarts 0" in note
+    # a dead rank's line names the setting, as given, and how to turn respawns on
+    assert theirs.mesh["no_restarts_hint"] == ("--max-restarts 0 (torchrun's default with "
+                                               "torchrun's flags); pass --max-restarts N")
+    assert _plan("--max-restarts", "0", "x.py").mesh["no_restarts_hint"] == (
+        "--max-restarts 0; pass --max-restarts N")
+    assert "no_restarts_hint" not in _plan("--standalone", "--max-restarts", "2", "x.py").mesh
     assert _plan("--standalone", "-n", "2", "x.py").mesh["n"] == 2
 
 
@@ -293,6 +299,32 @@ def test_a_main_that_exits_1_is_retried_after_a_peers_death(tmp_path: Path) -> N
     assert "rank 0 runs the script again (sys.exit(1))" in res.stderr
     assert "[0] finished rank 0 incarnation 0" in res.stdout
     assert "[1] finished rank 1 incarnation 1" in res.stdout
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--standalone", "--nproc-per-node", "2"],
+     "--max-restarts 0 (torchrun's default with torchrun's flags); pass --max-restarts N"),
+    (["-n", "2", "--max-restarts", "0"], "--max-restarts 0; pass --max-restarts N"),
+])
+def test_a_rank_not_respawned_by_max_restarts_0_says_so(tmp_path: Path, flags: list[str],
+                                                         says: str) -> None:
+    """With ``--max-restarts 0`` (torchrun's default once torchrun's flags are
+    used) a dead rank is not respawned: its line says that, why, and how to
+    turn respawns on, not that it "died 1 times ... Fix the cause" as if a
+    restart budget were spent."""
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import time, torch, torch.distributed as dist
+        from monarch_nb import chaos
+        for step in range(200):
+            dist.all_reduce(torch.ones(1))
+            chaos.die_at(step, 3, rank=1)
+            time.sleep(0.02)
+        """))
+    res = _run([sys.executable, "-m", "monarch_nb.launch", "--backend", "cpu", *flags,
+                "train.py"], tmp_path)
+    assert res.returncode != 0, res.stderr
+    assert f"rank 1 died (SIGKILL); not respawned: {says}" in res.stderr, res.stderr[-3000:]
+    assert "times within" not in res.stderr and "Fix the cause" not in res.stderr, res.stderr
 
 
 # -- cells: the user's own process-group calls ------------------------------------------------

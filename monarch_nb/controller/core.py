@@ -160,7 +160,8 @@ class Controller:
         self._state_changed = threading.Condition()
         self._last_ping = 0.0
         policy = RestartPolicy(self.ranks, mode=cfg.respawn, budget=cfg.restart_budget,
-                               window=cfg.restart_window)
+                               window=cfg.restart_window,
+                               no_restarts=cfg.no_restarts_hint or RestartPolicy.no_restarts)
         self.recovery = Recovery(cfg, self.ranks, self.calls, self.supervisor, self.io,
                                  self.codec, policy, announce=self._announce,
                                  dispatch=lambda call: self.caller.dispatch(call),
@@ -336,6 +337,8 @@ class Controller:
         info.last_heartbeat = time.monotonic()
         kind = msg.kind
         if kind is Kind.RESULT:
+            if not info.answered:  # (once per process: the call path stays as it was)
+                self._answered(info, msg.call)
             self._on_result(info, msg)
         elif kind == Kind.OUTPUT:
             self.assembler.on_output(info, msg)
@@ -378,6 +381,8 @@ class Controller:
         now = time.monotonic()
         for info in infos:
             info.last_heartbeat = now
+            if not info.answered:
+                self._answered(info, msg.call)
         self.assembler.on_folded(infos, msg)
 
     def _on_beats(self, beats: dict[bytes, dict[str, Any]]) -> None:
@@ -389,6 +394,13 @@ class Controller:
             if info is not None:
                 info.last_heartbeat = now
                 info.health = meta.get("h") or info.health
+
+    def _answered(self, info: RankInfo, call_id: int) -> None:
+        """``info``'s process answered a call: working, unless the call was a
+        replayed --setup cell (a process that dies in the user's call after
+        each replay is still a crash loop: the policy's backoff)."""
+        call = self.calls.get(call_id)
+        info.answered = call is None or not call.internal
 
     # -- the call table's hooks ------------------------------------------------------
     def _ranks_done(self, call: PendingCall, ranks: Sequence[int]) -> None:

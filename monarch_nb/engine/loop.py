@@ -104,6 +104,9 @@ class Worker:
         self.calls = serialize.CallCache()
         self.running_call = 0
         self.interrupt_call = 0
+        # a call whose INTERRUPT said it cannot finish (a member is gone for
+        # good): the group is left once it is over (Membership.release_peers)
+        self.leave_after = 0
         # Interrupts that arrived before their call started (queued behind
         # another call, or overtaking it on the other socket), and calls done.
         self.cancelled: set[int] = set()
@@ -284,7 +287,7 @@ class Worker:
             # kept for %monarch debug, as the interactive interpreter keeps it
             sys.last_exc, sys.last_type, sys.last_value, sys.last_traceback = (  # type: ignore[attr-defined]
                 exc, type(exc), exc, exc.__traceback__)
-            self.members.release_peers(exc, error)
+            self.members.release_peers(exc, error, leave=self.leave_after == call)
         flightrec.call_end(ok)
         n_out, tail = self.output.finish()
         if (n_out or tail) and isinstance(sys.stdout, RankStream):
@@ -484,6 +487,8 @@ class Worker:
                 self._kept_ping(dict(meta_of(msg, Kind.PING)))
         elif msg.kind == Kind.INTERRUPT:
             call = msg.call
+            if call and meta_of(msg, Kind.INTERRUPT).get("leave"):
+                self.leave_after = call  # (before the signal: the main thread reads it then)
             where = ""
             if self.running_call and (call == 0 or call == self.running_call):
                 where = self.main_location()

@@ -51,12 +51,17 @@ class Membership:
         self.send = send  # the worker's main-socket send (REFORMED)
         self.pending: collections.deque[Message] = collections.deque()
 
-    def release_peers(self, exc: BaseException, error: dict[str, str]) -> None:
+    def release_peers(self, exc: BaseException, error: dict[str, str], *,
+                      leave: bool = False) -> None:
         """A call failed because a peer left (or with a REFORM already
-        waiting): leave the group now, not when the REFORM is served. gloo
-        then closes this rank's connections, so a peer still waiting on it
-        in a collective fails out too, instead of staying stuck until the
-        controller replaces its process (what mnb.elastic does as well).
+        waiting, or ``leave``: the controller interrupted it because a
+        member is gone for good and no REFORM will come): leave the group
+        now, not when a REFORM is served. gloo then closes this rank's
+        connections, so a peer still waiting on it in a collective fails out
+        too, instead of staying stuck until the controller replaces its
+        process (what mnb.elastic does as well). A survivor interrupted
+        between two collectives would otherwise keep the broken group, and a
+        peer already inside the next one would wait on it for gloo's 30 min.
 
         The group is freed only when nothing refers to it any more, and the
         failed collective's frames (kept in the traceback, and in
@@ -64,7 +69,7 @@ class Membership:
         are cleared first. (Post-mortem of a collective cut short by a
         peer's death loses those locals; the traceback text stays.)"""
         generation = int(_context._state.get("generation", 0))
-        if is_peer_loss(f"{error['type']} {error['msg']}") or self.newer_reform(generation):
+        if leave or is_peer_loss(f"{error['type']} {error['msg']}") or self.newer_reform(generation):
             for link in _chain(exc):
                 traceback.clear_frames(link.__traceback__)
             leave_group()

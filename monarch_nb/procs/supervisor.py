@@ -377,9 +377,11 @@ class Supervisor:
         return None if self.launcher.remote else os_state(proc.pid)
 
     def lost_host(self, rank: int) -> str:
-        """The host ``rank``'s current process was lost with ("" if it was not)."""
+        """The host ``rank``'s current process was lost with, or ran on when
+        that host was lost after it had ended ("" if neither)."""
         proc = self.procs.get(rank)
-        if proc is not None and isinstance(proc.popen, RemoteRank) and proc.popen.lost:
+        if (proc is not None and isinstance(proc.popen, RemoteRank)
+                and (proc.popen.lost or proc.popen.agent.lost)):
             return proc.popen.agent.host
         return ""
 
@@ -387,6 +389,12 @@ class Supervisor:
         """The ranks whose current process was lost with ``host``."""
         return [r for r, p in self.procs.items() if isinstance(p.popen, RemoteRank)
                 and p.popen.lost and p.popen.agent.host == host]
+
+    def placed_on(self, host: str) -> list[int]:
+        """The ranks whose current process, running or ended, was started on
+        ``host`` (through its agent)."""
+        return [r for r, p in self.procs.items() if isinstance(p.popen, RemoteRank)
+                and p.popen.agent.host == host]
 
     def replacement_host(self, lost: str) -> str | None:
         """The spare host that takes ``lost``'s ranks, if the launcher has one."""

@@ -35,6 +35,10 @@ class StacksMeta(TypedDict, total=False):
     flight: int  # also the flight recorder's newest N records
 
 
+class InterruptMeta(TypedDict, total=False):
+    leave: bool  # the call cannot finish: leave the group after it
+
+
 class HelloMeta(TypedDict, total=False):
     pid: int
     incarnation: int
@@ -132,6 +136,7 @@ class DebuggerEventMeta(TypedDict, total=False):
 # kind -> its TypedDict (for the test against META; nothing reads it per message)
 TYPES: dict[Kind, type] = {
     Kind.CALL: CallMeta, Kind.EXEC: ExecMeta, Kind.STACKS: StacksMeta,
+    Kind.INTERRUPT: InterruptMeta,
     Kind.HELLO: HelloMeta, Kind.READY: ReadyMeta, Kind.FAILED_START: FailedStartMeta,
     Kind.RESULT: ResultMeta, Kind.OUTPUT: OutputMeta, Kind.METRICS: MetricsMeta,
     Kind.HEARTBEAT: HeartbeatMeta, Kind.INTERRUPTED: InterruptedMeta,
@@ -148,6 +153,8 @@ def meta_of(msg: Message, kind: Literal[Kind.CALL]) -> CallMeta: ...
 def meta_of(msg: Message, kind: Literal[Kind.EXEC]) -> ExecMeta: ...
 @overload
 def meta_of(msg: Message, kind: Literal[Kind.STACKS]) -> StacksMeta: ...
+@overload
+def meta_of(msg: Message, kind: Literal[Kind.INTERRUPT]) -> InterruptMeta: ...
 @overload
 def meta_of(msg: Message, kind: Literal[Kind.HELLO]) -> HelloMeta: ...
 @overload

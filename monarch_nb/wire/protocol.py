@@ -73,6 +73,7 @@ class Kind(str, enum.Enum):
     EXEC = "exec"  # run cell code (payload: the code; meta: code (before
     # exec_parts moves it to payload 0), name, setup, elastic, generation, check)
     INTERRUPT = "interrupt"  # raise KeyboardInterrupt in the main thread for call c
+    # (meta leave: the call cannot finish, a member is gone for good: leave the group after it)
     PING = "ping"  # controller liveness; ranks exit when pings stop (meta of a kept
     # mesh: ep, cp, low, done, resend)
     STOP = "stop"  # leave cleanly
@@ -134,6 +135,10 @@ META: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.EXEC: {"code": _S, "name": _S, "setup": _B, "elastic": _B, "generation": _I,
                 "check": _I},
     Kind.STACKS: {"flight": _I},  # also the newest N flight-recorder records
+    # leave: the interrupted call cannot finish (a member of the group is gone
+    # for good): leave the group once out of it, releasing the peers still in
+    # a collective with this rank (engine/membership.py)
+    Kind.INTERRUPT: {"leave": _B},
     # HELLO of a kept mesh's rank to a controller that attached (engine/kept.py):
     # running: the call it runs (0: idle), kept: the calls whose RESULT it holds
     Kind.HELLO: {"pid": _I, "incarnation": _I, "host": _S, "running": _I, "kept": _L},

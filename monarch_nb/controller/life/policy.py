@@ -25,8 +25,10 @@ time its scheduled respawn is due (the backoff).
 Decisions::
 
     Died (a rank with a process)   -> Move DEAD, then
-        mode "off"                 -> Report (it stays DEAD, the survivors carry on)
-        budget spent               -> Move FAILED, GiveUp (only a restart revives it)
+        mode "off"                 -> Report (it stays DEAD, the survivors carry on),
+                                      NotComingBack
+        budget spent (or 0)        -> Move FAILED, GiveUp (only a restart revives it),
+                                      NotComingBack
         else                       -> Move WAITING, due after the backoff
                                       (mode "all": every other rank with a process too,
                                       Kill + Move DEAD + Move WAITING)
@@ -34,9 +36,10 @@ Decisions::
     RestartRequested               -> (Kill + Move DEAD if it has a process) Move WAITING,
                                       due now, deaths forgotten
     HostLost (a rank with a process, or WAITING)
-                                   -> Move LOST, Report (no budget spent); with a spare
-                                      host: Respawn(host=spare) keeping the rank number,
-                                      Reform. DEAD / FAILED / LOST / STOPPED: no change.
+                                   -> Move LOST (no budget spent); with a spare host:
+                                      Respawn(host=spare) keeping the rank number, Reform;
+                                      without: Report, NotComingBack.
+                                      DEAD / FAILED / LOST / STOPPED: no change.
     Probed (READY/BUSY, in a collective)  -> ReplaceStuck (RESPAWNING, incarnation + 1)
     SpareCheck                     -> StartSpare while a rank waits out its backoff, or
                                       once the mesh has been settled ``SPARE_DELAY_S``
@@ -46,14 +49,33 @@ A Died of an incarnation the table has already replaced, or of a rank
 without a process (DEAD, WAITING, FAILED, LOST, STOPPED), is old news: no
 action.
 
+Whoever waits for a re-formation that will not come is told at once: every
+decision that leaves a rank without a process until a user acts (respawn
+off, budget spent, host lost with no spare) ends with :class:`NotComingBack`
+naming the ranks and why. An elastic call's survivors wait for exactly that
+re-formation (mnb.elastic); their own timeout is the last resort, not the
+mechanism.
+
 Modes: ``rank`` replaces only the dead rank; ``all`` replaces every rank
 (the survivors are restarted too, torchrun-style); ``off`` reports and keeps
-the survivors. Backoff: the first respawn of a rank is immediate (a training
-cell should not wait), then ``base * 2**(k-1)`` seconds with +/-25 % jitter,
-capped at ``cap``. Budget: at most ``budget`` respawns of a rank within
-``window`` seconds; past it the rank is FAILED with a message that says why
-and what to do. A rank that stayed up for ``window`` seconds has a clean slate
-again, since its old deaths fall out of the window.
+the survivors.
+
+Backoff, for crash loops only. A process that answered one of the user's
+calls (``Died.answered``: a result or its own error; a replayed ``--setup``
+cell is no answer) was working: it is respawned at once, however often its
+rank died before (kills, an OOM, a lost GPU are not a loop). A process that
+dies before it answered anything since it came back is in a crash loop,
+backed off as such: the loop's first respawn at once (a training cell
+should not wait), then ``base * 2**(k-1)`` seconds before the k-th after
+it, with +/-25 % jitter, capped at ``cap``. A loop starts afresh at each
+working process's death; deaths older than ``window`` drop out of it.
+
+Budget: at most ``budget`` respawns of a rank within ``window`` seconds,
+working or not; past it the rank is FAILED with a message that says why and
+what to do. A rank that stayed up for ``window`` seconds has a clean slate
+again, since its old deaths fall out of the window. A budget of 0 means no
+respawn at all (torchrun's ``--max-restarts 0``): the message then says so,
+and how to turn respawns on (``no_restarts``), not that a budget was spent.
 
 Not here: *doing* any of it (recovery.py carries the actions out), the
 states and their allowed moves (rankstates.py).
@@ -65,6 +87,7 @@ import random
 from dataclasses import dataclass, field
 
 from ...errors import lost_host_hint
+from ...rankspans import format_ranks
 from .rankstates import GONE, LIVE, RankState, check
 from .ranktable import RankTable
 
@@ -80,12 +103,15 @@ _NO_PROCESS = GONE  # DEAD, WAITING, FAILED, LOST, STOPPED
 @dataclass(frozen=True)
 class Died:
     """A rank's process ended. ``incarnation`` says which process: the death
-    of one that was already replaced (we killed it to restart it) is old news."""
+    of one that was already replaced (we killed it to restart it) is old news.
+    ``answered``: that process answered one of the user's calls (it was
+    working: no backoff)."""
 
     rank: int
     now: float
     cause: str = ""
     incarnation: int | None = None
+    answered: bool = False
 
 
 @dataclass(frozen=True)
@@ -191,6 +217,17 @@ class Report:
 
 
 @dataclass(frozen=True)
+class NotComingBack:
+    """No re-formation will bring ``ranks`` back until the user acts (respawn
+    off, budget spent, host lost with no spare): whoever waits for one is
+    told now, ``reason`` saying why and what to do. After the ranks' own
+    Report or GiveUp, which end their calls."""
+
+    ranks: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
 class ReplaceStuck:
     """Replace a live member stuck in the old group's collective: a new
     process (``incarnation``) in the current generation, not a failure."""
@@ -204,7 +241,8 @@ class StartSpare:
     """Start a spare process (torch imported, waiting to become a rank)."""
 
 
-Action = Move | Respawn | Kill | Reform | GiveUp | Report | ReplaceStuck | StartSpare
+Action = (Move | Respawn | Kill | Reform | GiveUp | Report | NotComingBack | ReplaceStuck
+          | StartSpare)
 
 
 class _Snapshot:
@@ -256,12 +294,19 @@ class RestartPolicy:
     base: float = 0.5
     cap: float = 30.0
     rng: random.Random = field(default_factory=lambda: random.Random(0))
+    # with budget 0, why a dead rank is not respawned and how to turn respawns
+    # on, as the user would set it (script mode names its --max-restarts)
+    no_restarts: str = ("restart_budget=0; start the mesh with restart_budget=N "
+                        "(Mesh.start(..., restart_budget=N)) to respawn dead ranks")
 
     def __post_init__(self) -> None:
         if self.mode not in ("rank", "all", "off"):
             raise ValueError(f"unknown respawn mode {self.mode!r}")
         n = len(self.table)
         self.deaths: list[list[float]] = [[] for _ in range(n)]  # times of deaths in the window
+        # times of the deaths of the crash loop a rank is in (the backoff): since,
+        # and with, the death of its last process that answered a call
+        self.loop: list[list[float]] = [[] for _ in range(n)]
         self._due: dict[int, float] = {}  # rank -> when its scheduled respawn is due
 
     def handle(self, event: Stimulus) -> list[Action]:
@@ -295,16 +340,30 @@ class RestartPolicy:
         if self.mode == "off":
             snap.actions.append(Report(rank, f"rank {rank} died ({ev.cause}); respawn is off, "
                                              "the survivors carry on"))
+            snap.actions.append(NotComingBack((rank,), f"rank {rank} is not respawned "
+                                              "(respawn is off)"))
             return
         deaths = self.deaths[rank] = [t for t in self.deaths[rank] if ev.now - t < self.window] + [ev.now]
         if len(deaths) > self.budget:
             snap.move(rank, S.FAILED)
-            snap.actions.append(GiveUp(rank, (
-                f"rank {rank} died {len(deaths)} times within {self.window:g} s "
-                f"(last: {ev.cause}); not respawning it again. Fix the cause (see "
-                f"%monarch logs {rank}), then %monarch restart {rank}")))
+            if self.budget == 0:  # respawns are off: no budget was spent
+                reason = f"rank {rank} died ({ev.cause}); not respawned: {self.no_restarts}"
+                why = f"rank {rank} is not respawned: {self.no_restarts}"
+            else:
+                reason = (f"rank {rank} died {len(deaths)} times within {self.window:g} s "
+                          f"(last: {ev.cause}); not respawning it again. Fix the cause (see "
+                          f"%monarch logs {rank}), then %monarch restart {rank}")
+                why = (f"rank {rank} is not coming back (restart budget spent); "
+                       f"%monarch restart {rank} brings it back")
+            snap.actions.append(GiveUp(rank, reason))
+            snap.actions.append(NotComingBack((rank,), why))
             return
-        at = ev.now + self._delay(len(deaths))
+        # backoff for crash loops only: a working process's death starts one afresh
+        if ev.answered:
+            self.loop[rank] = [ev.now]
+        else:
+            self.loop[rank] = [t for t in self.loop[rank] if ev.now - t < self.window] + [ev.now]
+        at = ev.now + self._delay(len(self.loop[rank]))
         self._wait(snap, rank, at)
         if self.mode == "all":
             for other in range(len(self.table)):
@@ -327,6 +386,7 @@ class RestartPolicy:
                 snap.actions.append(Kill(rank))
                 snap.move(rank, S.DEAD)
             self.deaths[rank] = []  # a deliberate restart is not a failure
+            self.loop[rank] = []
             self._wait(snap, rank, ev.now)
         self._timer(snap, ev.now)
 
@@ -339,10 +399,16 @@ class RestartPolicy:
             snap.move(rank, S.LOST)
             self._due.pop(rank, None)  # a respawn due where it was: not there
             lost.append(rank)
-        if ev.spare is None or not lost:
-            # nothing brings them back: a Report ends their calls, elastic ones too
+        if not lost:
+            return
+        if ev.spare is None:
+            # nothing brings them back: a Report ends their calls, and the
+            # survivors of an elastic call are told no re-formation is coming
             snap.actions.extend(Report(rank, f"rank {rank} lost: host {ev.host} lost; "
                                        + lost_host_hint([rank])) for rank in lost)
+            snap.actions.append(NotComingBack(tuple(lost), (
+                f"host {ev.host} lost with rank {format_ranks(lost)}, and no spare host; "
+                + lost_host_hint(lost))))
             return
         for rank in lost:
             snap.respawn(rank, host=ev.spare)

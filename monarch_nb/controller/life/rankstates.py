@@ -67,7 +67,7 @@ class RankState(str, enum.Enum):
     DYING = "dying"  # we asked it to die, its exit not seen yet (calls to it wait)
     DEAD = "dead"  # exited, not coming back by itself
     WAITING = "waiting"  # dead, its respawn scheduled (calls wait: a re-formation is due)
-    FAILED = "failed"  # restart budget spent
+    FAILED = "failed"  # restart budget spent (or 0: respawns off)
     LOST = "lost"  # its host is gone (no budget spent)
     STOPPED = "stopped"
 

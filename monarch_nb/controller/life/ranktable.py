@@ -49,6 +49,10 @@ class RankInfo:
     start_error: str = ""
     started_at: float = field(default_factory=time.monotonic)
     ready_at: float | None = None
+    # this process answered one of the user's calls: it was working, and its
+    # death is no crash loop (policy.py's backoff). Set by the controller as
+    # the answer arrives, cleared for each new process.
+    answered: bool = False
     health: dict[str, Any] = field(default_factory=dict)  # latest HEARTBEAT's (health.py)
     main_id: bytes = b""  # socket identities of the current process
     ctl_id: bytes = b""
@@ -173,6 +177,7 @@ class RankTable:
         info.exitcode = None
         info.health = {}
         info.start_error = ""
+        info.answered = False
         info.started_at = info.last_heartbeat = time.monotonic()
         return info
 

@@ -19,9 +19,12 @@ out of the old group's collective ``REFORM_GRACE_S`` after the REFORM is
 probed (its stacks) and only then replaced; an elastic call takes its state
 back from a peer, so nothing is lost.
 
-A rank whose budget is spent (GiveUp) ends the calls that wait for it: an
-elastic call cannot finish without it, so its survivors are interrupted and
-the call fails at once with the reason and what to do.
+A rank that no re-formation will bring back (the policy's NotComingBack:
+budget spent, respawns off, its host lost with no spare host) ends the calls
+that wait for it: an elastic call cannot finish without it, and its
+survivors wait for exactly that re-formation (mnb.elastic, on the rank: 300
+s before it gives up by itself). They are interrupted now, and the call
+fails at once with the reason and what to do.
 
 Here facts are recorded as they are seen (a READY: READY; our own kill
 signal: DYING; a first start that failed: DEAD) and the policy's actions
@@ -63,6 +66,7 @@ from .policy import (
     HostLost,
     Kill,
     Move,
+    NotComingBack,
     Probed,
     Reform,
     ReplaceStuck,
@@ -169,10 +173,15 @@ class Recovery:
         if info.silent_for is not None:
             cause = "missed heartbeats"
         if host:  # its host is gone: not a crash to retry there (agents.py): LOST
-            actions = self.policy.handle(HostLost(host, tuple(ranks), time.monotonic(),
+            # and so are its ranks waiting out a backoff: their respawn was due
+            # there (a call waiting for it would wait that long for nothing)
+            waiting = [r for r in self.supervisor.placed_on(host)
+                       if r not in ranks and self.ranks[r].state is RankState.WAITING]
+            actions = self.policy.handle(HostLost(host, tuple(ranks + waiting), time.monotonic(),
                                                   self.supervisor.replacement_host(host)))
         else:  # the policy moves it DEAD, then WAITING / FAILED (or keeps it DEAD)
-            actions = self.policy.handle(Died(rank, time.monotonic(), cause, info.incarnation))
+            actions = self.policy.handle(Died(rank, time.monotonic(), cause, info.incarnation,
+                                              answered=info.answered))
         for r in ranks:
             self._announce(f"monarch_nb: {errors[r].headline}")
         self.apply(actions)  # first: a GiveUp ends the calls with its own reason
@@ -312,6 +321,8 @@ class Recovery:
                 self.calls.fail(action.rank, self.died_error(info), coming_back=False)
             elif isinstance(action, GiveUp):
                 self._give_up(action)
+            elif isinstance(action, NotComingBack):
+                self._not_coming_back(action)
             elif isinstance(action, Kill):
                 self._kill(action.rank)
             elif isinstance(action, Respawn):
@@ -339,23 +350,32 @@ class Recovery:
         rank = action.rank  # FAILED already: the policy's Move came first
         self.ranks.record(rank, EventKind.GAVE_UP, action.reason)
         self._announce(f"monarch_nb: {action.reason}")
-        gone = MonarchError(action.reason)
-        affected = [c for c in self.calls if rank in c.reissue or rank in c.remaining]
-        self.calls.fail(rank, gone, coming_back=False)
-        for call in affected:
-            if not call.elastic:
+        self.calls.fail(rank, MonarchError(action.reason), coming_back=False)
+        # (the NotComingBack that follows ends its elastic calls)
+
+    def _not_coming_back(self, action: NotComingBack) -> None:
+        """The policy's NotComingBack: ``action.ranks`` lost their calls
+        already (their Report or GiveUp came first). An elastic call that
+        had them cannot finish: its survivors wait for a REFORM (or sit in a
+        collective with them, or in a state sync), which will not come. The
+        call ends now for all of them, and the survivors are interrupted so
+        they are free for the next call; calls waiting to be sent go out, or
+        fail for the ranks that are gone."""
+        gone = set(action.ranks)
+        for call in self.calls:
+            if not call.elastic or not gone & (call.remaining | call.reissue | call.errors.keys()):
                 continue
-            # the others wait for it to come back (a REFORM, a state sync):
-            # it will not, so the call ends now, and they are interrupted
-            survivors = set(call.remaining)
-            frames = self.codec.sign(Kind.INTERRUPT, call=call.call_id)
-            for r in survivors:
+            # and told to leave the broken group: one interrupted between two
+            # collectives would keep a peer inside the next one waiting on it
+            frames = self.codec.sign(Kind.INTERRUPT, call=call.call_id, meta={"leave": True})
+            for r in call.remaining:
                 if self.ranks[r].state in LIVE:
                     self.io.send(self.ranks[r].ctl_id, frames)
-            self.calls.abandon(call, survivors, lambda r: MembershipChanged(
-                r, (rank,), f"rank {rank} is not coming back (restart budget spent); "
-                f"the elastic call was ended. %monarch restart {rank} brings it back"))
-        self.send_waiting()  # calls waiting for it now fail
+            # (ranks in reissue are on their way back: the call is not re-issued to them)
+            self.calls.abandon(call, call.remaining | call.reissue, lambda r: MembershipChanged(
+                r, action.ranks, f"the elastic call was ended, no re-formation is coming: "
+                f"{action.reason}"))
+        self.send_waiting()
 
     def _reform(self, action: Reform) -> None:
         """New generation: fresh store port; respawning members start with
