@@ -258,9 +258,9 @@ class MeshConfig:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise UsageError(f"keep_alive must be a positive number of seconds (or a duration "
                              f"such as 90s, 30m, 2h), not {value!r}")
-        if self.launcher != "local":
-            raise UsageError("a kept mesh (name=, keep_alive=) runs on this machine for now "
-                             "(--launcher local); across hosts, start it without a name")
+        if self.launcher not in ("local", "ssh"):
+            raise UsageError("a kept mesh (name=, keep_alive=) runs with --launcher local or "
+                             "ssh: a SLURM job step ends every process it started with it")
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON values (a kept mesh's record: procs/keptfiles.py)."""

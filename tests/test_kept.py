@@ -334,3 +334,16 @@ def test_record_is_private(runtime: str) -> None:
             assert record["key"] not in " ".join(proc.info["cmdline"] or [])
     finally:
         mesh.stop()
+
+
+def test_budgets_travel() -> None:
+    from monarch_nb.controller.life.policy import RestartPolicy
+    from monarch_nb.controller.life.ranktable import RankTable
+
+    old = RestartPolicy(RankTable(2))
+    old.deaths[1] = [10.0, 11.5]
+    new = RestartPolicy(RankTable(2))
+    new.restore_budgets(json.loads(json.dumps(old.budgets())))  # as it travels
+    assert new.deaths == [[], [10.0, 11.5]]
+    new.restore_budgets({"deaths": [[1.0]]})  # another mesh's size: left out
+    assert new.deaths == [[], [10.0, 11.5]]

@@ -95,6 +95,8 @@ class Controller:
                            max_bytes=cfg.max_message_bytes)
         # Non-loopback: CurveZMQ with this mesh's keys (wire/endpoints.py).
         self.curve = CurveKeys.generate() if cfg.encrypted else None
+        if record is not None and record.curve:  # a kept mesh's: its ranks and agents hold them
+            self.curve = CurveKeys(**{k: str(v).encode() for k, v in record.curve.items()})
         if cfg.bind not in LOOPBACK and not cfg.encrypted:
             log.warning("monarch_nb: INSECURE: encryption is off on non-loopback bind %r; "
                         "anyone on the network can read every message", cfg.bind)
@@ -113,6 +115,23 @@ class Controller:
                               local=True, tail=["--keep-alive", f"{cfg.keep_alive:g}",
                                                 "--controller-timeout",
                                                 f"{cfg.controller_timeout:g}"]))
+        # A kept mesh across hosts: this machine's agent keeps no rank but holds
+        # the mesh (who is attached, the lease, the state); each host's agent
+        # is reached through its door and outlives us too (procs/keptagent.py).
+        self.home_agent: HostAgent | None = None
+        self._home_door: KeptDoor | None = None
+        if cfg.kept and isinstance(launcher, AgentLauncher) and not isinstance(
+                launcher.inner, HomeLauncher):
+            assert cfg.name is not None and cfg.keep_alive is not None
+            launcher.inner.kept = (cfg.name, cfg.keep_alive)
+            # the home decided who holds the mesh: the hosts' agents follow it
+            launcher.door = KeptDoor(cfg.name, self.key, start=record is None, force=True,
+                                     log_hint=f"{keptfiles.log_dir(cfg.name)} on each host")
+            self._home_door = KeptDoor(
+                cfg.name, self.key, start=record is None, force=force, on_taken=self._taken,
+                log_hint=keptfiles.log_dir(cfg.name), local=True,
+                tail=["--keep-alive", f"{cfg.keep_alive:g}", "--controller-timeout",
+                      f"{cfg.controller_timeout:g}"])
         logdirs.sweep()  # log directories left by controllers that were killed
         self.supervisor = Supervisor(
             world_size=world_size, backend=backend, controller_endpoint=self.io.endpoint,
@@ -176,7 +195,7 @@ class Controller:
         self.assembler = Assembler(self.calls, self.dataplane, self.metrics, self.io.send,
                                    self.codec, self._pid_of,
                                    default_output=lambda: self.default_output)
-        self.keep = (Keep(cfg.name, epoch, self.calls, self.ranks, self.caller.interrupt)
+        self.keep = (Keep(cfg.name, epoch, self.calls, self.ranks, self.caller.interrupt, policy)
                      if cfg.name is not None and epoch is not None else None)
         self._on_result = self.assembler.on_result  # bound once: every call's path
         self.calls.on_ranks_done = self._ranks_done
@@ -244,6 +263,7 @@ class Controller:
     # -- life cycle -------------------------------------------------------------
     def start(self, progress: Callable[[list[RankInfo]], None] | None = None) -> None:
         """Spawn every rank (in parallel) and wait until all are READY."""
+        self._open_home()
         self.io.start()
         spawned = threading.Event()
         spawn_errors: list[BaseException] = []
@@ -320,6 +340,9 @@ class Controller:
         else:
             self.calls.stop("the mesh was stopped")
         self.supervisor.terminate_all(grace)
+        if self.home_agent is not None:  # a kept mesh across hosts: the home goes too
+            self.home_agent.close(grace)
+            self.home_agent.wait_closed(grace + 5.0)
         self.io.call_soon(lambda: self.calls.stop("the mesh was stopped"))
         self.io.stop()
         for info in self.ranks:
@@ -465,11 +488,13 @@ class Controller:
                            if info.state in LIVE or info.state in ON_ITS_WAY],
                           self.codec.sign(Kind.PING) if keep is None else
                           self.codec.sign(Kind.PING, meta=keep.ping_meta()))
+        if self.home_agent is not None:  # its lease counts our pings (the hosts' too)
+            self.home_agent.send("ping")
         if keep is not None:
             state = keep.state_due(now)
             home = self._home()
             if state is not None and home is not None:
-                home.send("keep", state=state)
+                home.send("keep", state=self._with_nodes(state))
 
     def _judge_liveness(self, info: RankInfo, pid: int, now: float) -> None:
         """Kill a frozen rank so its exit is reported like any death (and so
@@ -511,7 +536,12 @@ class Controller:
         cfg = MeshConfig.from_dict(record.config)
         backend = BackendInfo(**{**record.backend,
                                  "devices": tuple(record.backend.get("devices", ()))})
-        ctl = cls(cfg, backend, record.world_size, record=record, force=force)
+        launcher = None
+        if cfg.launcher != "local":  # across hosts: the same hosts' agents, through their doors
+            from ..procs.agents import from_config
+
+            launcher, _ = from_config(cfg, record.world_size)
+        ctl = cls(cfg, backend, record.world_size, launcher, record=record, force=force)
         try:
             ctl.resume()
         except BaseException:
@@ -525,14 +555,31 @@ class Controller:
         kept a result of become ours (Keep.adopt)."""
         keep, launcher = self.keep, self.supervisor.launcher
         assert keep is not None and isinstance(launcher, AgentLauncher)
-        agent = self.supervisor.spawner.call(launcher.open, "localhost",
-                                             self.supervisor.log_dir)
+        log_dir = self.supervisor.log_dir
+        if self._home_door is not None:  # across hosts: the home first (it may refuse us)
+            self._open_home()
+            assert self.home_agent is not None
+            state = self.home_agent.attached.get("state") or {}
+            nodes = state.get("nodes")
+            if isinstance(nodes, list) and len(nodes) == len(launcher.inner.nodes):
+                launcher.inner.nodes[:] = [str(n) for n in nodes]  # spare hosts taken meanwhile
+            agents = launcher.open_all(launcher.hosts(), log_dir)
+        else:
+            agents = [self.supervisor.spawner.call(launcher.open, "localhost", log_dir)]
+            state = agents[0].attached.get("state") or {}
+        for agent in agents:  # routed before the relays reconnect: their first batch is ours
+            if agent.route is not None and agent.relay_id:
+                for child in agent.attached.get("children") or []:
+                    for channel in ("main", "ctl"):
+                        agent.route(f"{child['ident']}.{channel}".encode(),
+                                    agent.relay_id.encode())
         self.io.bind_kept()  # admitted: the port is ours now
         self.io.start()
-        keep.restore(agent.attached.get("state") or {})
+        keep.restore(state)
         # the group's port: new processes join through a re-formation anyway
         self.supervisor.reform(self.ranks.generation, free_port())
-        children = {int(c["rank"]): c for c in agent.attached.get("children") or []
+        children = {int(c["rank"]): (agent, c) for agent in agents
+                    for c in agent.attached.get("children") or []
                     if 0 <= int(c["rank"]) < self.world_size}
         self.recovery.started = True  # a death from now on is a death, not a failed start
         done = threading.Event()
@@ -540,11 +587,11 @@ class Controller:
         def take() -> None:
             try:
                 for rank in range(self.world_size):
-                    child = children.get(rank)
-                    if child is None:  # never started by the agent: a fresh one
+                    found = children.get(rank)
+                    if found is None:  # no agent runs it (its host lost): as any death
                         self.recovery.start_process(rank, self.ranks[rank].incarnation)
                         continue
-                    self._adopt_process(agent, child)
+                    self._adopt_process(*found)
                 self._ping(time.monotonic())  # a new epoch: the ranks say HELLO now
             finally:
                 done.set()
@@ -555,7 +602,9 @@ class Controller:
         # every live rank said HELLO (a ping before its socket is back is lost)
         # (and until their main sockets are back too: a call sent before is lost)
         deadline = time.monotonic() + HELLO_WAIT_S
-        unseen = set(keep.expect)  # ranks whose main socket is not back yet
+        # ranks whose main socket is not back yet (a relayed rank's comes back
+        # with its agent's connection, which its HELLO came through)
+        unseen = set() if launcher.relays and self.cfg.relay else set(keep.expect)
         probe = self.codec.sign(Kind.PING)  # (a rank's main loop lets a PING pass)
 
         looked = threading.Event()
@@ -613,7 +662,30 @@ class Controller:
 
             self.io.watch_fd(proc.pidfd, ended)
 
+    def _open_home(self) -> None:
+        """A kept mesh across hosts: this machine's agent, which holds it."""
+        door = self._home_door
+        if door is None or self.home_agent is not None:
+            return
+        assert self.cfg.name is not None
+        log_path = os.path.join(self.supervisor.log_dir, "agent-home.log")
+        self.home_agent = self.supervisor.spawner.call(
+            HostAgent, "localhost", [], dict(os.environ), log_path, self.cfg.host_timeout,
+            None, door)
+        if self.home_agent.lost:
+            raise UsageError(self.home_agent.lost)
+
+    def _with_nodes(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A kept mesh across hosts also keeps its hosts (a spare host may
+        have taken a lost one's place)."""
+        launcher = self.supervisor.launcher
+        if self.home_agent is not None and isinstance(launcher, AgentLauncher):
+            state["nodes"] = launcher.hosts()
+        return state
+
     def _home(self) -> HostAgent | None:
+        if self.home_agent is not None:
+            return self.home_agent
         launcher = self.supervisor.launcher
         return launcher.agents.get("localhost") if isinstance(launcher, AgentLauncher) else None
 
@@ -665,6 +737,8 @@ class Controller:
                 launcher.detach()
             else:
                 launcher._closed = True
+        if self.home_agent is not None and tell_agent:
+            self.home_agent.detach()
         self.io.stop()  # the port is free for the next controller
         self.supervisor.spawner.stop()
         self.dataplane.close_all()
@@ -676,14 +750,16 @@ class Controller:
         cfg = self.cfg
         assert cfg.name is not None and cfg.keep_alive is not None
         port = int(self.io.endpoint.rsplit(":", 1)[1])
+        curve = None if self.curve is None else {
+            k: v.decode() for k, v in dataclasses.asdict(self.curve).items()}
         keptfiles.Record(cfg.name, self.key.hex(), self.mesh_id, self.world_size,
                          dataclasses.asdict(self.backend), port, cfg.keep_alive,
-                         cfg.to_dict()).write()
+                         cfg.to_dict(), curve=curve).write()
         home, keep = self._home(), self.keep
         if home is not None and keep is not None:  # the start's events, now
             state = keep.state_due(time.monotonic() + 1.0)
             if state is not None:
-                home.send("keep", state=state)
+                home.send("keep", state=self._with_nodes(state))
 
     # -- helpers ---------------------------------------------------------------------------
     def _pid_of(self, rank: int) -> int | None:

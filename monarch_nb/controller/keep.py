@@ -15,7 +15,8 @@ kernel. This part owns the controller's end of that:
 * the **lease ledger** on every PING: ``low`` and ``done``, the calls this
   controller has finished, so ranks let go of their kept results;
 * the **state** a new controller needs, sent to the agent whenever it
-  changes (``keep``): the ``--setup`` cells, the events, the generation;
+  changes (``keep``): the ``--setup`` cells, the events, the generation,
+  the restart budgets (each rank's death times);
 * at attach, the **adoption**: once every live rank said HELLO (or
   :data:`HELLO_WAIT_S` passed), each call a rank runs or kept a result of
   becomes a call of this controller (:meth:`adopt`), whose futures
@@ -40,6 +41,7 @@ from typing import Any
 from ..futures import MeshFuture
 from .calls.calltable import CallTable
 from .calls.output import CallOutput
+from .life.policy import RestartPolicy
 from .life.rankstates import RankState
 from .life.ranktable import RankTable
 
@@ -57,8 +59,9 @@ class Keep:
     """The kept mesh's part of one controller (see the module docstring)."""
 
     def __init__(self, name: str, epoch: int, calls: CallTable, ranks: RankTable,
-                 interrupt: Callable[[int], None]) -> None:
+                 interrupt: Callable[[int], None], policy: RestartPolicy) -> None:
         self.name, self.epoch = name, epoch
+        self.policy = policy
         self.calls, self.ranks, self._interrupt = calls, ranks, interrupt
         self.expect: set[int] = set()  # live ranks whose HELLO the attach waits for
         self.hellos: dict[int, dict[str, Any]] = {}
@@ -69,7 +72,7 @@ class Keep:
         self.outputs: dict[int, list[tuple[str, str]]] = {}
         self._resend = 0
         self._heard_all = threading.Event()
-        self._state_sent: tuple[int, int, int] | None = None
+        self._state_sent: tuple[int, int, int, int] | None = None
         self._state_at = 0.0
         self.taken = ""  # "taken over by pid P on H": another controller holds the mesh
 
@@ -84,6 +87,8 @@ class Keep:
     # -- every PING -----------------------------------------------------------------
     def ping_meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"ep": self.epoch, "cp": os.getpid()}
+        if self.expect - set(self.hellos):
+            meta["hi"] = True
         if not self.expect:  # (before the adoption nothing may be let go)
             low = self.calls.low()
             meta["low"] = low
@@ -101,13 +106,15 @@ class Keep:
         if now - self._state_at < STATE_EVERY_S:
             return None
         self._state_at = now
-        key = (len(self.calls.setup_cells), len(self.ranks.events), self.ranks.generation)
+        budgets = self.policy.budgets()
+        key = (len(self.calls.setup_cells), len(self.ranks.events), self.ranks.generation,
+               sum(len(d) for d in budgets["deaths"]))
         if key == self._state_sent:
             return None
         self._state_sent = key
         state = {"setup": list(self.calls.setup_cells),
                  "events": [e.as_dict() for e in self.ranks.events[-MAX_EVENTS_KEPT:]],
-                 "generation": self.ranks.generation}
+                 "generation": self.ranks.generation, "budgets": budgets}
         return json.loads(json.dumps(state, default=str))  # plain JSON, as it travels
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -118,6 +125,9 @@ class Keep:
         events = state.get("events")
         if isinstance(events, list):
             self.ranks.restore_events(events)
+        budgets = state.get("budgets")
+        if isinstance(budgets, dict):
+            self.policy.restore_budgets(budgets)
         generation = state.get("generation")
         if isinstance(generation, int) and generation > self.ranks.generation:
             self.ranks.reformed(generation)

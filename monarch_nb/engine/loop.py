@@ -538,7 +538,7 @@ class Worker:
         keeper = self.keeper
         assert keeper is not None
         epoch = int(meta.get("ep", keeper.epoch))
-        if epoch != keeper.epoch:
+        if epoch != keeper.epoch or meta.get("hi"):
             keeper.epoch = epoch
             if self.shm_peer is not None and meta.get("cp"):
                 self.shm_peer = int(meta["cp"])  # the new controller's segments

@@ -154,7 +154,15 @@ class HostAgent:
             self.lost = f"host {host} lost (its agent could not start: {exc})"
             return
         if door is not None:
-            self._attach(door)  # before the reader: its answer is ours to read
+            try:
+                self._attach(door)  # before the reader: its answer is ours to read
+            except UsageError as exc:
+                if door.local:
+                    raise  # this machine's: the refusal is the user's answer
+                # another host's kept agent is gone (its lease, the host itself):
+                # that host is lost, which the policy handles as any lost host
+                self.lost = f"host {host} lost ({exc})"
+                return
         threading.Thread(target=self._read, name=f"monarch-nb-agent-{host}", daemon=True).start()
 
     def _attach(self, door: KeptDoor) -> None:
@@ -181,6 +189,9 @@ class HostAgent:
                           host=socket.gethostname(), force=door.force)
             elif msg["op"] == "attached":
                 self.attached = {"children": msg["children"], "state": msg["state"]}
+                relay = msg.get("relay")
+                if self.route is not None and isinstance(relay, str) and relay:
+                    self.relay_id = relay  # its relay's connection outlived the last controller
                 self.heard = time.monotonic()
                 return
             elif msg["op"] == "refused":
@@ -193,7 +204,10 @@ class HostAgent:
     def _end_door(self) -> None:
         assert self.popen is not None
         if self.popen.stdin is not None:
-            self.popen.stdin.close()
+            try:
+                self.popen.stdin.close()
+            except OSError:  # it is gone already (a host that cannot be reached)
+                pass
         try:
             self.popen.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -496,15 +510,36 @@ class AgentLauncher:
                 self._watch.start()
             return agent
 
-    def open(self, host: str, log_dir: str) -> HostAgent:
+    def open(self, host: str, log_dir: str, lost_ok: bool = False) -> HostAgent:
         """``host``'s agent, reached now (a kept mesh's, at attach: it runs
-        already). UsageError when its door refuses us."""
-        agent = self._agent(host, dict(os.environ), os.path.join(log_dir, "attach.log"))
-        if agent.lost and not agent.attached:
+        already). UsageError when its door refuses us, unless ``lost_ok``
+        (another host: it is then a lost host)."""
+        agent = self._agent(host, dict(os.environ), os.path.join(log_dir, f"agent-{host}.log"))
+        if agent.lost and not agent.attached and not lost_ok:
             with self._lock:
                 self.agents.pop(host, None)
             raise UsageError(agent.lost)
         return agent
+
+    def open_all(self, hosts: list[str], log_dir: str) -> list[HostAgent]:
+        """:meth:`open` for every host at once (each door is an ssh session
+        and an interpreter's start: side by side, an attach waits for the
+        slowest, not for their sum); a host that cannot be reached is lost."""
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(32, len(hosts)))) as pool:
+            made = list(pool.map(lambda h: HostAgent(
+                h, self.inner.agent_command(h, self.controller_timeout),
+                _local_env(dict(os.environ)), os.path.join(log_dir, f"agent-{h}.log"),
+                self.host_timeout, self.route, self.door), hosts))
+        with self._lock:
+            for host, agent in zip(hosts, made):
+                self.agents[host] = agent
+            if self._watch is None:
+                self._watch = threading.Thread(target=self._watcher, daemon=True,
+                                               name="monarch-nb-agents")
+                self._watch.start()
+        return made
 
     def _watcher(self) -> None:
         """Ping every agent; declare the silent ones lost."""

@@ -330,7 +330,8 @@ class Agent:
                                  "pid": child.popen.pid, "ident": child.ident,
                                  "code": child.popen.returncode if child.ended else None})
         assert self.door is not None
-        return {"children": children, "state": self.door.state}
+        return {"children": children, "state": self.door.state,
+                "relay": self.relay.ident if self.relay is not None else ""}
 
     # -- the ticker: states, logs, heartbeat ---------------------------------------------------
     def _ticker(self) -> None:

@@ -82,6 +82,9 @@ class Record:
     config: dict[str, Any]  # MeshConfig's fields that a new controller keeps
     created: float = field(default_factory=time.time)
     host: str = field(default_factory=lambda: os.uname().nodename)
+    # CurveZMQ keys (Z85) of a mesh beyond loopback: its ranks and agents hold the
+    # client pair and reconnect to the same server key (wire/endpoints.py)
+    curve: dict[str, str] | None = None
 
     def write(self) -> None:
         config.write_secret_file(record_path(self.name),
@@ -169,7 +172,8 @@ def list_meshes() -> list[dict[str, Any]]:
         if not attached and isinstance(since, (int, float)):
             lease = max(0.0, rec.keep_alive - (time.time() - since))
         rows.append({
-            "name": rec.name, "ranks": rec.world_size, "hosts": [rec.host],
+            "name": rec.name, "ranks": rec.world_size,
+            "hosts": list(rec.config.get("hosts") or []) or [rec.host],
             "started": rec.created,
             "attached": (f"pid {attached.get('pid')} on {attached.get('host')} since "
                          f"{time.strftime('%H:%M:%S', time.localtime(attached.get('since', 0)))}"

@@ -162,6 +162,9 @@ class _RemoteLauncher:
     # the node MASTER_ADDR is the address of, when it was not given: the
     # first node's, which moves with it when a spare host takes its place
     master_node: str = ""
+    # a kept mesh (procs/keptagent.py): (its name, keep_alive); each host's
+    # agent is then reached through its door, and outlives the controller
+    kept: tuple[str, float] | None = None
 
     def placement(self, rank: int, world_size: int) -> Placement:
         node = rank // self.per_node
@@ -180,9 +183,12 @@ class _RemoteLauncher:
     def worker_argv(self) -> list[str]:
         return [self.python, "-m", "monarch_nb.cli", "worker", "--key-file", "-"]
 
-    def agent_argv(self, controller_timeout: float) -> list[str]:
-        return [self.python, "-m", "monarch_nb.agent", "--controller-timeout",
+    def agent_argv(self, controller_timeout: float, host: str = "") -> list[str]:
+        argv = [self.python, "-m", "monarch_nb.agent", "--controller-timeout",
                 f"{controller_timeout:g}"]
+        if self.kept is not None:  # the door to the host's kept agent (named per host)
+            argv += ["--kept", f"{self.kept[0]}@{host}", "--keep-alive", f"{self.kept[1]:g}"]
+        return argv
 
     def command(self, placement: Placement) -> list[str]:
         raise NotImplementedError
@@ -223,7 +229,7 @@ class SshLauncher(_RemoteLauncher):
 
     def agent_command(self, host: str, controller_timeout: float) -> list[str]:
         remote = (f"cd {shlex.quote(self.cwd)} 2>/dev/null; exec "
-                  + " ".join(shlex.quote(a) for a in self.agent_argv(controller_timeout)))
+                  + " ".join(shlex.quote(a) for a in self.agent_argv(controller_timeout, host)))
         return [a.replace("{host}", host) for a in self.template] + [remote]
 
 
@@ -246,7 +252,7 @@ class SlurmLauncher(_RemoteLauncher):
         # one step per node for its agent; the ranks are the agent's children
         # within that step (a rank respawned on the node needs no new step)
         return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap",
-                "--quiet", f"--chdir={self.cwd}", *self.agent_argv(controller_timeout)]
+                "--quiet", f"--chdir={self.cwd}", *self.agent_argv(controller_timeout, host)]
 
 
 @dataclass

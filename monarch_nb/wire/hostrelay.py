@@ -56,6 +56,7 @@ class Relay:
     def __init__(self, ident: str, endpoint: str, curve: tuple[bytes, bytes, bytes] | None,
                  max_bytes: int, key: bytes | None = None) -> None:
         self.max_bytes = max_bytes
+        self.ident = ident  # (a kept mesh's next controller routes through it: keptagent.py)
         # the mesh key (the ranks get it from us anyway): fold their equal results (fold.py)
         self.folder = None if key is None else Folder(key, ident)
         self.ctx = zmq.Context()

@@ -53,6 +53,7 @@ class PingMeta(TypedDict, total=False):
     low: int  # calls below this one are done with
     done: list[Any]  # and these
     resend: bool  # send what was kept now
+    hi: bool  # say HELLO (again)
 
 
 class ReadyMeta(TypedDict, total=False):

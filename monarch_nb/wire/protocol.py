@@ -146,7 +146,8 @@ META: dict[Kind, dict[str, tuple[type, ...]]] = {
     # one is a new controller: say HELLO), cp: its pid (shared memory's peer),
     # low / done: the calls it has done with (their kept RESULTs are dropped),
     # resend: send what you kept for this controller now
-    Kind.PING: {"ep": _I, "cp": _I, "low": _I, "done": _L, "resend": _B},
+    # hi: say HELLO (again: one may have been lost while the sockets reconnected)
+    Kind.PING: {"ep": _I, "cp": _I, "low": _I, "done": _L, "resend": _B, "hi": _B},
     Kind.READY: {"device": _S, "pid": _I},
     Kind.FAILED_START: {"error": _S, "tb": _S},
     # RESULT: ok (default true), error {type, msg, tb} when not ok, n_out / n_m:

@@ -309,6 +309,21 @@ class RestartPolicy:
         self.loop: list[list[float]] = [[] for _ in range(n)]
         self._due: dict[int, float] = {}  # rank -> when its scheduled respawn is due
 
+    def budgets(self) -> dict[str, list[list[float]]]:
+        """What a kept mesh's next controller needs to go on counting (the
+        death times are CLOCK_MONOTONIC, the same for every process of the
+        machine)."""
+        return {"deaths": [list(d) for d in self.deaths], "loop": [list(d) for d in self.loop]}
+
+    def restore_budgets(self, data: dict[str, object]) -> None:
+        """:meth:`budgets` of an earlier controller (attach); anything that
+        does not fit this mesh is left out."""
+        for name in ("deaths", "loop"):
+            rows = data.get(name)
+            if isinstance(rows, list) and len(rows) == len(self.deaths):
+                setattr(self, name, [[float(t) for t in row if isinstance(t, (int, float))]
+                                     if isinstance(row, list) else [] for row in rows])
+
     def handle(self, event: Stimulus) -> list[Action]:
         snap = _Snapshot(self.table)
         if isinstance(event, Died):
