@@ -344,6 +344,45 @@ dist.all_reduce(y)
 y.item()
 """),
     code("%monarch stop"),
+    md("""
+## Surviving the kernel itself
+
+Everything above survives the loss of a rank. A *kept* mesh also survives the loss of the
+kernel: a restart to reload an edited module, or the out-of-memory killer. Its ranks belong
+to this machine's host agent, which keeps them for `--keep-alive`; `%monarch attach` from
+the restarted kernel (or another notebook, or a script) takes the same processes back,
+with their variables and what they ran meanwhile (docs/kept-meshes.md).
+"""),
+    code("%monarch start -n 2 --backend cpu --no-dashboard --name ft-demo --keep-alive 5m"),
+    code("""
+%%monarch
+weights = torch.full((3,), float(rank + 1))   # stands for a model that took long to load
+"""),
+    md("""
+A cell that is still running when the kernel goes keeps running on the ranks. Here the
+notebook lets go itself (`%monarch detach`: what a dying kernel does); after a real
+restart, run `%load_ext monarch_nb` first.
+"""),
+    code("""
+%%monarch --no-block
+import time
+time.sleep(2)
+print("this step finished while no kernel was attached")
+float(weights.sum())
+"""),
+    code("%monarch detach"),
+    code("""
+from monarch_nb import Mesh
+[(m["name"], m["ranks"], m["attached"] or "detached") for m in Mesh.list()]
+"""),
+    code("%monarch attach ft-demo"),
+    code("%monarch wait"),
+    code(f"""
+%%monarch
+{CHECK}
+float(weights.sum())   # the same processes: the weights are still there
+"""),
+    code("%monarch stop"),
 ]
 
 DEBUGGING: list[Cell] = [

@@ -723,6 +723,8 @@ class Controller:
 
             def end_calls() -> None:
                 try:
+                    if tell_agent:  # on purpose: the ranks let go of what we have
+                        self._ping(time.monotonic())
                     self.calls.stop(why)
                 finally:
                     done.set()

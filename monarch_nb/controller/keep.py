@@ -51,6 +51,15 @@ STATE_EVERY_S = 0.4  # (checked at each PING: a change is with the agent within 
 MAX_EVENTS_KEPT = 2000  # the newest events handed to the next controller
 
 
+def describe(label: str) -> str:
+    """A call as the user knows it: ``<mnb-cell-12>`` is the cell In [12]."""
+    if label.startswith("<mnb-cell-exec-"):
+        return f"mesh.exec call {label[len('<mnb-cell-exec-'):].rstrip('>')}"
+    if label.startswith("<mnb-cell-") and label[len("<mnb-cell-"):].rstrip(">").isdigit():
+        return f"cell In [{label[len('<mnb-cell-'):].rstrip('>')}]"
+    return f"{label}()" if label else "a call"
+
+
 def new_epoch() -> int:
     return int(time.time() * 1000) & 0x7FFFFFFF
 
@@ -150,7 +159,12 @@ class Keep:
         controller's; the ranks are then asked to send what they kept."""
         by_call: dict[int, set[int]] = {}
         running: dict[int, set[int]] = {}
+        labels: dict[int, str] = {}
         for rank, hello in self.hellos.items():
+            what = hello.get("what")
+            for key, label in (what.items() if isinstance(what, dict) else ()):
+                if str(key).isdigit() and isinstance(label, str):
+                    labels.setdefault(int(key), label)
             ids = {int(c) for c in hello.get("kept") or [] if isinstance(c, int)}
             now_running = int(hello.get("running") or 0)
             if now_running:
@@ -168,8 +182,8 @@ class Keep:
             busy = sorted(running.get(call_id, ()))
             self.ranks.move_many(busy, RankState.BUSY, only_from=RankState.READY)
             self.adopted.append(future)
-            self.adopted_what[call_id] = ("running on ranks " if busy else "finished on ranks ") \
-                + ",".join(map(str, ranks))
+            where = ("running on ranks " if busy else "finished on ranks ") + ",".join(map(str, ranks))
+            self.adopted_what[call_id] = f"{describe(labels.get(call_id, ''))}, {where}"
         self.expect.clear()
         self._resend = RESEND_PINGS
 

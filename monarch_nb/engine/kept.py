@@ -56,20 +56,24 @@ class Keeper:
         default_factory=collections.deque)
     outbox_bytes: int = 0
     resent_epoch: int = -1  # the epoch whose controller got what was kept
+    running_what: str = ""  # the running call's cell name or function (for a new controller)
+    _what: dict[int, str] = field(default_factory=dict)  # a kept result's call: the same
     _bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     # -- the main thread -----------------------------------------------------------
-    def keep(self, call: int, meta: dict[str, Any], payload: list[Any]) -> None:
+    def keep(self, call: int, meta: dict[str, Any], payload: list[Any], what: str = "") -> None:
         """The RESULT of ``call`` as sent; kept until the controller is done with it."""
         size = _size(payload)
         if size > MAX_RESULT_BYTES:
             return  # too large to keep: a controller that attaches sees it as lost
         with self._lock:
             self.results[call] = (meta, payload)
+            self._what[call] = what
             self._bytes += size
             while len(self.results) > MAX_RESULTS or self._bytes > MAX_RESULT_BYTES:
-                _, (_, old) = self.results.popitem(last=False)
+                gone, (_, old) = self.results.popitem(last=False)
+                self._what.pop(gone, None)
                 self._bytes -= _size(old)
 
     # -- the control thread --------------------------------------------------------------
@@ -81,11 +85,21 @@ class Keeper:
         with self._lock:
             for call in [c for c in self.results if c < low or c in gone]:
                 _, payload = self.results.pop(call)
+                self._what.pop(call, None)
                 self._bytes -= _size(payload)
 
     def kept_calls(self) -> list[int]:
         with self._lock:
             return list(self.results)
+
+    def labels(self, running: int) -> dict[str, str]:
+        """What each kept call (and the running one) was: a cell's name or a
+        function's, by call id (JSON keys are strings)."""
+        with self._lock:
+            out = {str(c): w for c, w in self._what.items() if w}
+        if running and self.running_what:
+            out[str(running)] = self.running_what
+        return out
 
     def take_results(self) -> list[tuple[int, dict[str, Any], list[Any]]]:
         """What was kept, to send again (left kept until the controller acks).

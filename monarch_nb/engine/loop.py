@@ -265,6 +265,8 @@ class Worker:
                                             mesh_id=self.env.mesh_id,
                                             max_bytes=self.env.max_message_bytes)
                     fn, args, kwargs = self.calls.load(frames)
+                    if self.keeper is not None:  # what a new controller is told it was
+                        self.keeper.running_what = getattr(fn, "__qualname__", "a function")
                     if dbg.armed:
                         dbg.begin(sys._getframe())
                     value = fn(*args, **kwargs)
@@ -273,7 +275,10 @@ class Worker:
                             else meta_of(msg, Kind.EXEC).get("code", ""))  # (payload: protocol.exec_parts)
                     if dbg.armed:
                         dbg.begin(sys._getframe())
-                    value = self._run_cell(code, meta_of(msg, Kind.EXEC).get("name", "<mnb-cell>"))
+                    name = meta_of(msg, Kind.EXEC).get("name", "<mnb-cell>")
+                    if self.keeper is not None:
+                        self.keeper.running_what = name
+                    value = self._run_cell(code, name)
             finally:
                 if dbg.tracing:
                     dbg.end()
@@ -352,7 +357,7 @@ class Worker:
                 for where in meta["shm"]["at"]:
                     where[0] += 1
         if self.keeper is not None:  # until the controller is done with it
-            self.keeper.keep(call, dict(meta), payload)
+            self.keeper.keep(call, dict(meta), payload, self.keeper.running_what)
         if payload:
             if self.env.curve is not None:  # encrypted: big frames go in pieces
                 payload, parts = chunks.split(payload)
@@ -545,7 +550,7 @@ class Worker:
             self._send_ctl(Kind.HELLO, meta={
                 "pid": os.getpid(), "incarnation": self.env.incarnation,
                 "host": os.uname().nodename, "running": self.running_call,
-                "kept": keeper.kept_calls()})
+                "kept": keeper.kept_calls(), "what": keeper.labels(self.running_call)})
         if "low" in meta:
             keeper.done_with(int(meta["low"]), list(meta.get("done") or []))
         if meta.get("resend") and keeper.resent_epoch != epoch:

@@ -533,7 +533,7 @@ class AgentLauncher:
                 _local_env(dict(os.environ)), os.path.join(log_dir, f"agent-{h}.log"),
                 self.host_timeout, self.route, self.door), hosts))
         with self._lock:
-            for host, agent in zip(hosts, made):
+            for host, agent in zip(hosts, made, strict=True):
                 self.agents[host] = agent
             if self._watch is None:
                 self._watch = threading.Thread(target=self._watcher, daemon=True,

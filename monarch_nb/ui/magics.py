@@ -286,8 +286,8 @@ class MonarchMagics(Magics):
         for fut in mesh.pending():
             what = mesh.pending_info(fut)
             self.pending[f"_attached{fut.call_id}"] = fut
-            print(f"monarch_nb: call {fut.call_id & 0xFFFFFFFF} of the last kernel, {what}: "
-                  "%monarch wait shows its output and result")
+            print(f"monarch_nb: from the last kernel: {what}; %monarch wait shows its output "
+                  "and result")
 
     def _cmd_detach(self, rest: str) -> None:
         mesh = self._mesh()

@@ -45,6 +45,7 @@ class HelloMeta(TypedDict, total=False):
     host: str
     running: int  # a kept mesh's rank to a new controller: the call it runs
     kept: list[Any]  # ...and the calls whose RESULT it kept
+    what: dict[str, Any]  # ...and what each of those is (a cell's name, a function's)
 
 
 class PingMeta(TypedDict, total=False):

@@ -141,7 +141,9 @@ META: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.INTERRUPT: {"leave": _B},
     # HELLO of a kept mesh's rank to a controller that attached (engine/kept.py):
     # running: the call it runs (0: idle), kept: the calls whose RESULT it holds
-    Kind.HELLO: {"pid": _I, "incarnation": _I, "host": _S, "running": _I, "kept": _L},
+    # what: call id -> the cell's name or the function's, of those calls
+    Kind.HELLO: {"pid": _I, "incarnation": _I, "host": _S, "running": _I, "kept": _L,
+                 "what": _D},
     # PING of a kept mesh (controller/keep.py): ep: the controller's epoch (a new
     # one is a new controller: say HELLO), cp: its pid (shared memory's peer),
     # low / done: the calls it has done with (their kept RESULTs are dropped),
