@@ -66,6 +66,9 @@ from .wire.protocol import Kind
 
 Output = CallOutput  # what Mesh.output() returns: a destination for ranks' output
 INTERRUPT_GRACE_S = 5.0  # how long an interrupted call may take to come back
+# A kernel's manager sends SIGINT, then at once the shutdown request ("Restart
+# Kernel"): a kept mesh's call waits this long after an interrupt to tell them apart
+SHUTDOWN_GRACE_S = 2.0  # (the manager sends SIGTERM 2.5 s after the interrupt)
 _cell_counter = itertools.count(1)
 
 
@@ -687,6 +690,10 @@ class Mesh(_RankSet):
                 raise CallTimeout(timeout or 0.0, where)
             return fut.result()
         except KeyboardInterrupt:
+            if ctl.keep is not None and _kernel_shutting_down(SHUTDOWN_GRACE_S):
+                # "Restart Kernel" interrupts the kernel before it asks it to
+                # shut down: a kept mesh's cell goes on on the ranks
+                raise
             if issued:  # interrupt this call, never some other one
                 where = self._interrupt_and_settle(issued[0])
                 _warn_collective(where)
@@ -719,6 +726,8 @@ class Mesh(_RankSet):
             if not self._ctl.wait(future, timeout):
                 raise concurrent.futures.TimeoutError(f"call still running after {timeout} s")
         except KeyboardInterrupt:
+            if self._ctl.keep is not None and _kernel_shutting_down(SHUTDOWN_GRACE_S):
+                raise  # a kernel restart, not the user's interrupt (see _call)
             where = self._interrupt_and_settle(future)
             _warn_collective(where)
             raise notices.CellInterrupted(where) from None
@@ -772,6 +781,22 @@ def _register_stop_at_exit() -> None:
     global _atexit_registered
     atexit.register(stop_all)
     _atexit_registered = True
+
+
+def _kernel_shutting_down(wait: float) -> bool:
+    """This process is an IPython kernel asked to shut down (or restart)
+    within ``wait`` s: ipykernel's shutdown_request, handled on its control
+    thread, sets the shell's ``exit_now``."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None:
+        return False
+    deadline = time.monotonic() + wait
+    while not getattr(shell, "exit_now", False):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def _warn_collective(where: dict[int, str]) -> None:

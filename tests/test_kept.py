@@ -129,8 +129,9 @@ def test_kept_config() -> None:
         MeshConfig(name="../etc")
     with pytest.raises(UsageError, match="keep_alive must be"):
         MeshConfig(name="a", keep_alive=-1)
-    with pytest.raises(UsageError, match="this machine"):
-        MeshConfig(name="a", launcher="ssh", hosts=("h",))
+    with pytest.raises(UsageError, match="SLURM job step"):
+        MeshConfig(name="a", launcher="slurm")
+    assert MeshConfig(name="a", launcher="ssh", hosts=("h",)).kept
     assert not MeshConfig().kept
 
 
@@ -306,7 +307,7 @@ def test_kernel_killed_with_training_cell_in_flight(runtime: str) -> None:
         assert second.run("%load_ext monarch_nb").status == "ok"
         r = second.run("%monarch attach nb1", timeout=60)
         assert r.status == "ok" and "attached to kept mesh 'nb1'" in r.text, r
-        assert "of the last kernel" in r.text, r
+        assert "from the last kernel: cell In [" in r.text and "running on ranks 0,1" in r.text, r
         r = second.run("%monarch wait", timeout=60)
         assert r.status == "ok" and "epoch done" in r.text, r
         r = second.run("%%monarch\nimport os\nos.getpid()")
@@ -314,7 +315,7 @@ def test_kernel_killed_with_training_cell_in_flight(runtime: str) -> None:
         r = second.run("%%monarch\nfloat(w.sum())")
         assert "2.0" in r.text and "4.0" in r.text, r
         assert second.run("%monarch stop").status == "ok"
-        assert Mesh.list() == []
+        wait_for(lambda: Mesh.list() == [], 10)
     finally:
         first.end()
         if second is not None:
@@ -347,3 +348,35 @@ def test_budgets_travel() -> None:
     assert new.deaths == [[], [10.0, 11.5]]
     new.restore_budgets({"deaths": [[1.0]]})  # another mesh's size: left out
     assert new.deaths == [[], [10.0, 11.5]]
+def test_kernel_restarted_by_its_manager(runtime: str) -> None:
+    """"Restart Kernel" with a training cell in flight: the kernel manager
+    asks the kernel to shut down (and kills it if it does not in time); the
+    kept mesh goes on, and the restarted kernel attaches to it."""
+    ks = KernelSession()
+    try:
+        assert ks.run("%load_ext monarch_nb").status == "ok"
+        r = ks.run("%monarch start -n 2 --backend cpu --no-dashboard --name nb2 "
+                   "--keep-alive 2m", timeout=180)
+        assert r.status == "ok", r
+        pids = ks.run("%%monarch\nimport os\nos.getpid()").text
+        started = os.path.join(runtime, "restart-started")
+        ks.execute("%%monarch\nimport time\nfor step in range(12):\n"
+                   f"    if step == 1 and rank == 0:\n        open({started!r}, 'w').close()\n"
+                   "    time.sleep(0.25)\nprint('restart survived', rank)\nrank * 7")
+        wait_for(lambda: os.path.exists(started), 30)
+        old = ks.pid
+        ks.km.restart_kernel(now=False)
+        assert ks.pid != old
+        wait_for(lambda: ks.km.is_alive(), 30)
+        ks.drain(1.0)
+        assert ks.run("%load_ext monarch_nb", timeout=60).status == "ok"
+        r = ks.run("%monarch attach nb2", timeout=60)
+        assert r.status == "ok" and "attached to kept mesh 'nb2'" in r.text, r
+        attached = r.text
+        r = ks.run("%monarch wait", timeout=60)
+        assert "restart survived" in r.text, (attached, r)
+        assert ks.run("%%monarch\nimport os\nos.getpid()").text == pids
+        assert ks.run("%monarch stop").status == "ok"
+        wait_for(lambda: Mesh.list() == [], 10)
+    finally:
+        ks.end()
