@@ -10,6 +10,7 @@ Rank side (inside ``%%monarch`` cells and functions sent with ``mesh.run``)::
 
     import monarch_nb as mnb
     mnb.rank(), mnb.world_size(), mnb.local_rank(), mnb.device(), mnb.incarnation()
+    mnb.mesh_rank()     # the mesh's stable rank number (mnb.rank(): the torch group's)
     mnb.log(loss=0.3)   # feeds the live dashboard (non-blocking)
 
 In IPython: ``%load_ext monarch_nb`` adds ``%monarch`` and ``%%monarch``.
@@ -27,7 +28,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import chaos, elastic
-from .engine.context import device, incarnation, local_rank, rank, world_size
+from .engine.context import device, incarnation, local_rank, mesh_rank, rank, world_size
 from .engine.metrics import log
 from .errors import (
     CallTimeout,
@@ -43,22 +44,23 @@ from .futures import MeshFuture
 
 if TYPE_CHECKING:
     from .mesh import Mesh, SubMesh, stop_all
-    from .results import RankResults
+    from .results import Lost, RankResults
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Mesh", "SubMesh", "RankResults", "MeshFuture", "chaos", "elastic",
+    "Mesh", "SubMesh", "RankResults", "Lost", "MeshFuture", "chaos", "elastic",
     "MonarchError", "MeshNotRunning", "RemoteError", "RankErrors", "RankDied",
     "MembershipChanged", "CallTimeout", "UsageError",
-    "rank", "world_size", "local_rank", "device", "incarnation", "log",
+    "rank", "world_size", "mesh_rank", "local_rank", "device", "incarnation", "log",
     "load_ipython_extension", "unload_ipython_extension", "stop_all",
 ]
 
 # Names loaded on first use, and the module that defines each. (The atexit
 # stop of live meshes is registered where a mesh is made: mesh.py.)
 _LAZY = {"Mesh": "monarch_nb.mesh", "SubMesh": "monarch_nb.mesh",
-         "stop_all": "monarch_nb.mesh", "RankResults": "monarch_nb.results"}
+         "stop_all": "monarch_nb.mesh", "RankResults": "monarch_nb.results",
+         "Lost": "monarch_nb.results"}
 
 
 def __getattr__(name: str) -> Any:

@@ -40,6 +40,10 @@ ENV_BACKEND = "MONARCH_NB_BACKEND"  # resolved backend: cuda | rocm | cpu
 ENV_PARENT_PID = "MONARCH_NB_PARENT_PID"  # exit if this process disappears
 ENV_CONTROLLER_TIMEOUT = "MONARCH_NB_CONTROLLER_TIMEOUT"  # s without a ping -> exit
 ENV_GENERATION = "MONARCH_NB_GENERATION"
+# a rank's number in the mesh, and the mesh's size: stable, where RANK and
+# WORLD_SIZE are the torch group's (fewer while it goes on without lost ranks)
+ENV_MESH_RANK = "MONARCH_NB_MESH_RANK"
+ENV_MESH_SIZE = "MONARCH_NB_MESH_SIZE"
 ENV_IDENTITY = "MONARCH_NB_IDENTITY"  # socket identity prefix, with a random token
 ENV_MAX_MESSAGE = "MONARCH_NB_MAX_MESSAGE"  # results larger than this are refused
 ENV_SHM = "MONARCH_NB_SHM_THRESHOLD"  # local ranks: frames this big go by shared memory
@@ -150,6 +154,19 @@ class MeshConfig:
         respawned: " in a dead rank's line: the setting as the user gave it,
         and how to turn respawns on. ``None``: the Python API's words
         (``restart_budget=0``); script mode names its ``--max-restarts``.
+    min_ranks: an elastic world size. ``None`` (the default): the torch
+        group always has every rank; a rank gone for good (its restart budget
+        spent, ``restart_budget=0``, respawn off, its host lost with no spare
+        host) ends the elastic calls it was in (``MembershipChanged``). A
+        number M (1..n): as long as at least M ranks are left, the group goes
+        on without the lost ones instead: the survivors re-form at world size
+        k (dense torch ranks 0..k-1, in the order of their mesh ranks), an
+        ``mnb.elastic.run`` loop carries on with the most advanced state, and
+        calls leave the lost ranks out (their entry in the results is a
+        :class:`~monarch_nb.results.Lost`). Mesh rank numbers never change
+        (``--ranks``, ``mesh[i]``, results, status, logs); ``mnb.rank()``,
+        ``dist.get_rank()`` and ``RANK`` are the group's (docs/elastic.md).
+        A lost rank brought back (``%monarch restart``) rejoins the group.
     relay: a *remote* rank's channels go through its host's agent
         (wire/hostrelay.py): one connection per host, one message per host
         for a call to its ranks, batched results and heartbeats. Signed end
@@ -187,6 +204,7 @@ class MeshConfig:
     host_timeout: float = 5.0
     name: str | None = None
     keep_alive: float | None = None
+    min_ranks: int | None = None
 
     def __post_init__(self) -> None:
         if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1):
@@ -206,6 +224,12 @@ class MeshConfig:
         if self.no_restarts_hint is not None and not isinstance(self.no_restarts_hint, str):
             raise UsageError(f"no_restarts_hint must be text or None, "
                              f"not {self.no_restarts_hint!r}")
+        if self.min_ranks is not None and (
+                isinstance(self.min_ranks, bool) or not isinstance(self.min_ranks, int)
+                or self.min_ranks < 1 or (self.n is not None and self.min_ranks > self.n)):
+            raise UsageError(f"min_ranks must be a number of ranks from 1 to the mesh's "
+                             f"{self.n or 'n'}, or None (the group keeps every rank), "
+                             f"not {self.min_ranks!r}")
         if self.launcher not in LAUNCHERS:
             raise UsageError(f"launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
         check_hang_timeout(self.hang_timeout)
@@ -329,6 +353,12 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
+def mesh_size(env: dict[str, str], rank: int) -> int:
+    """The mesh's number of ranks in a rank's environment (``WORLD_SIZE`` is
+    its torch group's, fewer after a shrink); ``rank + 1`` if neither is set."""
+    return int(env.get(ENV_MESH_SIZE) or env.get("WORLD_SIZE") or rank + 1)
+
+
 def check_hang_timeout(value: float | None) -> None:
     if value is None:
         return
@@ -341,8 +371,8 @@ def check_hang_timeout(value: float | None) -> None:
 class RankEnv:
     """Everything a rank reads from its environment, read once at start."""
 
-    rank: int
-    world_size: int
+    rank: int  # in the torch group it starts in (RANK): see mesh_rank
+    world_size: int  # of that group (WORLD_SIZE)
     local_rank: int
     local_world_size: int
     master_addr: str
@@ -364,6 +394,14 @@ class RankEnv:
     ctl_link_fd: int | None = None  # a rank behind a host agent: its control link, else a DEALER
     kept_epoch: int | None = None  # a kept mesh's rank: its first controller's epoch
     controller_pid: int | None = None  # shared memory's peer when its parent is an agent
+    mesh_rank: int = -1  # its number in the mesh, stable (-1: rank's, set from the environment)
+    mesh_size: int = -1  # the mesh's ranks (-1: world_size's)
+
+    def __post_init__(self) -> None:
+        if self.mesh_rank < 0:
+            object.__setattr__(self, "mesh_rank", self.rank)
+        if self.mesh_size < 0:
+            object.__setattr__(self, "mesh_size", self.world_size)
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> RankEnv:
@@ -399,6 +437,8 @@ class RankEnv:
             ctl_link_fd=(int(env[ENV_CTL_LINK_FD]) if env.get(ENV_CTL_LINK_FD, "").isdigit()
                          else None),
             kept_epoch=int(env[ENV_KEPT_EPOCH]) if env.get(ENV_KEPT_EPOCH, "").isdigit() else None,
+            mesh_rank=int(env.get(ENV_MESH_RANK) or env["RANK"]),
+            mesh_size=int(env.get(ENV_MESH_SIZE) or env["WORLD_SIZE"]),
             controller_pid=(int(env[ENV_CONTROLLER_PID])
                             if env.get(ENV_CONTROLLER_PID, "").isdigit() else None),
         )

@@ -303,9 +303,17 @@ class Mesh(_RankSet):
               launcher: str | launchers.Launcher = "local", hosts: Iterable[str] | str = (), *,
               progress: Callable[[list[RankInfo]], None] | None = None,
               name: str | None = None, keep_alive: float | str | None = None,
-              **options: Any) -> Mesh:
+              min_ranks: int | None = None, **options: Any) -> Mesh:
         """Start ``n`` ranks and wait until they joined their torch.distributed
         group. ``n`` defaults to the visible GPUs, else min(4, CPU cores).
+        ``min_ranks``: an elastic world size. When ranks are gone for good
+        (a restart budget spent, a host lost with no spare host) and at
+        least ``min_ranks`` are left, the group re-forms among them (world
+        size k, torch ranks 0..k-1) and ``mnb.elastic.run`` loops carry on;
+        calls leave the lost ranks out, their entries
+        :class:`~monarch_nb.results.Lost`. Mesh
+        rank numbers stay as they are. ``None`` (default): the group keeps
+        every rank, and a rank gone for good ends the elastic calls.
         ``name``, ``keep_alive``: a *kept* mesh, which outlives this process
         (a kernel restarted, shut down or killed) for ``keep_alive`` seconds
         (``"30m"``, ``"2h"``; default 30 min) and which :meth:`attach` takes
@@ -323,7 +331,7 @@ class Mesh(_RankSet):
             raise UsageError("Mesh.start with a Launcher object needs n (the number of ranks)")
         cfg = MeshConfig(n=n, backend=backend, respawn=respawn,  # type: ignore[arg-type]
                          launcher="local" if custom is not None else launcher,  # type: ignore[arg-type]
-                         hosts=tuple(hosts), name=name,
+                         hosts=tuple(hosts), name=name, min_ranks=min_ranks,
                          keep_alive=keep_alive, **options)  # type: ignore[arg-type]
         if custom is not None:
             spawner, world = custom, cfg.n or 0
@@ -337,6 +345,8 @@ class Mesh(_RankSet):
         if not spawner.remote and info.devices and world > len(info.devices):
             raise UsageError(f"-n {world} asks for more ranks than the {len(info.devices)} visible "
                              f"GPU(s); use -n {len(info.devices)} or --backend cpu")
+        if cfg.min_ranks is not None and cfg.min_ranks > world:
+            raise UsageError(f"min_ranks={cfg.min_ranks} is more than the mesh's {world} ranks")
         limits.ensure_open_files(world)  # before the first socket: ranks inherit it
         if cfg.kept:
             _refuse_taken_name(cfg.name)
@@ -468,7 +478,17 @@ class Mesh(_RankSet):
 
     @property
     def world_size(self) -> int:
+        """The mesh's number of ranks: stable (rank numbers 0..world_size-1),
+        even while its torch group goes on with fewer (:attr:`group`)."""
         return self._ctl.world_size
+
+    @property
+    def group(self) -> tuple[int, ...]:
+        """The mesh ranks in the torch.distributed group now, in the order of
+        their torch ranks: every rank, or fewer after the group went on
+        without lost ones (``min_ranks``); ``len(mesh.group)`` is the world
+        size the ranks see (``mnb.world_size()``)."""
+        return self._ctl.ranks.group
 
     @property
     def backend(self) -> str:
@@ -557,14 +577,16 @@ class Mesh(_RankSet):
     def status(self) -> list[dict[str, Any]]:
         """One dict per rank: state, pid, incarnation, device, heartbeat age,
         exit, restarts, host, lost_host (the host a ``lost`` rank was lost
-        with, else ""), health (cpu %, rss bytes; GPU memory used /
+        with, else ""), torch_rank (its rank in the torch group now; None
+        when the group went on without it: see :attr:`group`), health (cpu %, rss bytes; GPU memory used /
         total / peak bytes, util %, temp °C, power W: None = n/a), steps/s,
         the last ``mnb.log`` step and the last value of each metric."""
         now = time.monotonic()
         rows = []
         store = self._ctl.metrics
         supervisor = self._ctl.supervisor
-        for info in self._ctl.ranks:
+        table = self._ctl.ranks
+        for info in table:
             lost = supervisor.lost_host(info.rank) if info.state == RankState.LOST else ""
             rows.append({
                 "rank": info.rank, "state": info.state.value, "pid": info.pid,
@@ -574,6 +596,7 @@ class Mesh(_RankSet):
                 if info.state in (RankState.DEAD, RankState.WAITING, RankState.FAILED) else
                 (f"its host {lost} was lost" if lost else ""),
                 "restarts": info.incarnation, "host": info.host, "lost_host": lost,
+                "torch_rank": table.torch_rank(info.rank),
                 **health_fields(info.health),
                 "steps_per_s": store.steps_per_s(info.rank, now), "step": store.last_step(info.rank),
                 "last": store.last(info.rank),

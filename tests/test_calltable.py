@@ -27,7 +27,7 @@ from monarch_nb.controller.life.ranktable import RankTable
 from monarch_nb.controller.life.recovery import REFORM_GRACE_S, Recovery
 from monarch_nb.errors import MembershipChanged, MeshNotRunning, RankDied, RankErrors, RemoteError
 from monarch_nb.futures import MeshFuture
-from monarch_nb.results import RankResults
+from monarch_nb.results import Lost, RankResults
 from monarch_nb.wire.protocol import Codec, Kind, Message, new_key
 
 # -- the call table ------------------------------------------------------------------
@@ -213,8 +213,10 @@ class _Supervisor:
         self.started.append((rank, incarnation))
         return proc
 
-    def reform(self, generation: int, master_port: int) -> None:
+    def reform(self, generation: int, master_port: int,
+               group: tuple[int, ...] | None = None) -> None:
         self.generation, self.master_port = generation, master_port
+        self.group = group
 
     def reap(self, rank: int, proc: Any = None) -> int | None:
         return (proc or self.procs[rank]).popen.code
@@ -286,14 +288,15 @@ def _peek_kind(frames: list[Any]) -> str:
 class Story:
     """A 4-rank mesh's Recovery with stand-ins, started and settled."""
 
-    def __init__(self, world: int = 4, budget: int = 5) -> None:
+    def __init__(self, world: int = 4, budget: int = 5, min_ranks: int | None = None) -> None:
         self.ranks = RankTable(world)
         self.calls = CallTable()
         self.sup = _Supervisor()
         self.io = _IO()
         self.notes: list[str] = []
-        self.policy = RestartPolicy(self.ranks, budget=budget)
-        cfg = MeshConfig(n=world, backend="cpu", spare=False)
+        self.policy = RestartPolicy(self.ranks, budget=budget, min_ranks=min_ranks)
+        cfg = MeshConfig(n=world, backend="cpu", spare=False, restart_budget=budget,
+                         min_ranks=min_ranks)
         self.rec = Recovery(cfg, self.ranks, self.calls, self.sup, self.io, _codec,  # type: ignore[arg-type]
                             self.policy, announce=self.notes.append,
                             dispatch=self.dispatch, default_output=lambda: None)
@@ -500,3 +503,55 @@ def test_the_pending_call_check_sees_every_kind_of_write() -> None:
               "self.held = {}\ncall.progressed(1)\nx = call.held.get(0)\n")
     assert sorted(int(hit.split(":")[0]) for hit in _call_field_writes(source)) == [
         1, 2, 3, 4, 5, 6, 7]
+
+
+def _reform_meta(s: Story, rank: int) -> dict[str, Any]:
+    """The meta of the last REFORM sent to ``rank``."""
+    info = s.ranks[rank]
+    frames = [f for ident, f in s.io.frames if ident == info.main_id
+              and _peek_kind(f) == "reform"][-1]
+    return dict(Codec(_KEY, "rank").verify([bytes(f) for f in frames]).meta)
+
+
+def test_a_shrink_mid_elastic_call_records_the_lost_rank_and_the_call_carries_on() -> None:
+    s = Story(budget=0, min_ranks=2)
+    call = s.issue((0, 1, 2, 3), elastic=True)
+    s.die(1)  # respawns off: gone for good, 3 ranks left >= min_ranks
+    assert s.ranks[1].state == RankState.FAILED and s.ranks.group == (0, 2, 3)
+    # no interrupt: the survivors re-form without it, told the members in torch rank order
+    assert all(s.sent_to(r, "interrupt") == 0 for r in (0, 2, 3))
+    meta = _reform_meta(s, 2)
+    assert meta["members"] == [0, 2, 3] and meta["generation"] == 1 == s.ranks.generation
+    assert not call.future.done() and call.remaining == {0, 2, 3}
+    assert s.events(EventKind.SHRUNK) == [-1]
+    (note,) = [n for n in s.notes if "goes on without" in n]
+    assert "without rank 1, at world size 3 of 4 (min_ranks 2)" in note, note
+    for r in (0, 2, 3):
+        s.calls.complete(call, r, f"model of {r}")
+    got = call.future.result(timeout=0)  # no exception for the rank that is gone
+    assert got.lost == (1,) and got.survivors() == {0: "model of 0", 2: "model of 2",
+                                                    3: "model of 3"}
+    assert isinstance(got[1], Lost) and "restart_budget=0" in got[1].reason and not got[1]
+
+
+def test_after_a_shrink_a_respawn_keeps_the_smaller_group() -> None:
+    s = Story(budget=1, min_ranks=2)
+    s.die(3)
+    s.ready(3)
+    s.die(3)  # budget spent
+    assert s.ranks.group == (0, 1, 2) and s.ranks.shed(3) and not s.rec.must_wait((0, 1, 2))
+    # a later death within the budget: respawned into the same, smaller group
+    s.die(0)
+    assert s.ranks[0].state == RankState.RESPAWNING and s.ranks.group == (0, 1, 2)
+    assert s.sup.group == (0, 1, 2) and _reform_meta(s, 1)["members"] == [0, 1, 2]
+
+
+def test_a_shrink_below_min_ranks_ends_the_elastic_call_as_before() -> None:
+    s = Story(budget=0, min_ranks=4)
+    call = s.issue((0, 1, 2, 3), elastic=True)
+    s.die(2)
+    with pytest.raises(RankErrors) as info:
+        call.future.result(timeout=0)
+    assert all(isinstance(info.value.errors[r], MembershipChanged) for r in (0, 1, 3))
+    assert "fewer than min_ranks=4" in str(info.value.errors[0])
+    assert s.ranks.group == (0, 1, 2, 3) and s.events(EventKind.SHRUNK) == []

@@ -156,6 +156,19 @@ def test_cell_before_start_names_mesh_not_running(kernel: KernelSession) -> None
     assert r.error is not None and r.error["ename"] == "MeshNotRunning"
 
 
+def test_min_ranks_is_parsed_and_a_bad_value_refused_before_anything_starts(
+        kernel: KernelSession) -> None:
+    from monarch_nb.ui.magics import _P, _parse
+
+    assert _parse(_P.start, "-n 4 --min-ranks 2").min_ranks == 2
+    assert _parse(_P.start, "-n 4").min_ranks is None
+    r = failed(kernel, "%monarch start -n 2 --backend cpu --min-ranks 3 --no-dashboard")
+    assert r.error is not None and r.error["ename"] == "UsageError", r.traceback
+    assert "min_ranks must be a number of ranks from 1 to the mesh's 2" in r.traceback
+    assert not any("starting ranks" in d for d in r.displays)  # refused before saying so
+    assert py_value(kernel, f"{MAGICS}.mesh is None") is True
+
+
 def test_python_api_reaches_the_mesh_the_magics_started(mesh: KernelSession) -> None:
     r = ok(mesh, "import monarch_nb\n"
                  "m = monarch_nb.Mesh.current()\n"

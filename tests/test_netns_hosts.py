@@ -7,7 +7,8 @@ spare host with their rank numbers, on the spare's own address, and the
 group answers a collective again; nothing is left in any namespace.
 Without a spare host, an elastic training cell running when the host is
 lost ends within ``host_timeout`` + 2 s with an error naming the host, and
-the survivors answer the next call.
+the survivors answer the next call; with ``min_ranks`` it carries on at the
+smaller world size instead.
 """
 
 from __future__ import annotations
@@ -233,4 +234,107 @@ def test_a_lost_host_without_a_spare_ends_a_running_elastic_call(hosts: Hosts,
     assert result["next"] == {"0": "here", "1": "here"}, result
     assert result["states"] == ["ready", "ready", "lost", "lost"], result
     for ns in (hosts.names[0], a):  # the mesh stopped: nothing left anywhere
+        assert _pids_in(ns) == [], ns
+
+
+SHRINK_DRIVER = '''
+    import json, os, sys, time
+    from monarch_nb import Mesh
+
+    hosts, master, bind = sys.argv[1:4]
+    os.environ["MONARCH_NB_SSH"] = "ip netns exec {host} sh -c"
+    TRAIN = """
+    import time, torch, torch.distributed as dist, monarch_nb as mnb
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = mnb.elastic.State(model=model, optimizer=opt, step=0)
+    at = {}
+
+    @mnb.elastic.run(state)
+    def train(state):
+        while state.step < 150:
+            opt.zero_grad()
+            model(torch.ones(8, 4) * (mnb.rank() + 1)).sum().backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+            opt.step()
+            state.step += 1
+            state.commit()
+            at.setdefault(dist.get_world_size(), time.time())
+            mnb.log(step=state.step, loss=float(state.step))
+            time.sleep(0.05)
+        return ([p.detach().tolist() for p in model.parameters()], state.step,
+                mnb.rank(), mnb.world_size(), at.get(2))
+
+    train()
+    """
+    mesh = Mesh.start(n=4, backend="cpu", launcher="ssh", hosts=hosts, bind=bind,
+                      master_addr=master, start_timeout=90, host_timeout=3, min_ranks=2)
+    out = {}
+    try:
+        future = mesh.exec(TRAIN, elastic=True, block=False)
+        deadline = time.monotonic() + 60
+        while min(r["step"] or 0 for r in mesh.status()) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not future.done(), future.result()  # training, not failed
+        print("READY", flush=True)
+        sys.stdin.readline()  # the host is gone now
+        got = future.result(timeout=120)
+        out["lost"] = list(got.lost)
+        out["survivors"] = {r: v for r, v in got.survivors().items()}
+        out["states"] = [r["state"] for r in mesh.status()]
+        out["group"] = list(mesh.group)
+        out["next"] = mesh.run(lambda: "here", timeout=10).survivors()
+    finally:
+        mesh.stop()
+    print("RESULT " + json.dumps(out, default=str), flush=True)
+'''
+
+
+def test_a_lost_host_without_a_spare_shrinks_the_group_with_min_ranks(hosts: Hosts,
+                                                                      tmp_path: Path) -> None:
+    """As above, with ``min_ranks=2``: host D (ranks 2,3) is lost and the
+    elastic cell does not end: ranks 0,1 re-form at world size 2 (torch
+    ranks 0,1) and finish the loop with the same model; ranks 2,3's entries
+    say lost; the next call answers on 0,1 without an error."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(SHRINK_DRIVER))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    a, d = hosts.names[1], hosts.names[4]
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", hosts.names[0], sys.executable, str(driver), f"{a},{d}",
+         hosts.addrs[1], hosts.addrs[0]],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        line = ""
+        for line in proc.stdout:
+            if line.startswith("READY"):
+                break
+        assert line.startswith("READY"), "the mesh did not start"
+        lost_at = time.time()
+        _lose_host(d)
+        proc.stdin.write("lost\n")
+        proc.stdin.flush()
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    result = json.loads([x for x in out.splitlines() if x.startswith("RESULT ")][-1][7:])
+    assert result["lost"] == [2, 3], result
+    survivors = result["survivors"]
+    assert sorted(survivors) == ["0", "1"], result
+    (params0, steps0, rank0, world0, at0), (params1, steps1, rank1, world1, at1) = (
+        survivors["0"], survivors["1"])
+    assert (steps0, steps1) == (150, 150) and params0 == params1, result
+    assert (rank0, world0, rank1, world1) == (0, 2, 1, 2), result
+    resumed = min(at0, at1) - lost_at
+    print(f"lost host without a spare, min_ranks=2: first step at world size 2 {resumed:.2f} s "
+          "after the loss (host_timeout 3 s)")
+    assert resumed <= 3 + 5, result
+    assert result["states"] == ["ready", "ready", "lost", "lost"], result
+    assert result["group"] == [0, 1] and result["next"] == {"0": "here", "1": "here"}, result
+    for ns in (hosts.names[0], a):
         assert _pids_in(ns) == [], ns

@@ -26,6 +26,7 @@ from monarch_nb.controller.life.policy import (
     Respawn,
     RestartPolicy,
     RestartRequested,
+    Shrink,
     SpareCheck,
     StartSpare,
     Stimulus,
@@ -59,7 +60,7 @@ class Script:
             elif isinstance(a, ReplaceStuck):
                 self.t.respawning(a.rank, a.incarnation)
             elif isinstance(a, Reform):
-                self.t.reformed(a.generation)
+                self.t.reformed(a.generation, a.group)
         return actions
 
     def ready(self, rank: int) -> None:
@@ -563,3 +564,99 @@ def test_a_spare_is_started_once_settled_or_at_once_during_a_backoff() -> None:
     assert s.p.next_deadline() is not None
     # the wait is idle time: a spare now, settled or not
     assert s.handle(SpareCheck(now=10.1, settled_for=0.0, all_live=False)) == [StartSpare()]
+
+
+# -- elastic world size (min_ranks): the group goes on without ranks gone for good --
+
+def test_a_rank_past_its_budget_shrinks_the_group_when_min_ranks_are_left() -> None:
+    s = Script(4, budget=0, min_ranks=2)
+    actions = s.handle(Died(1, now=1.0, cause="SIGKILL"))
+    # Shrink before the rank's own GiveUp: an elastic call records it lost, not failed
+    assert actions[:3] == [Move(1, S.DEAD), Move(1, S.FAILED),
+                           Shrink((0, 2, 3), (1,), "rank 1 is not respawned: " + s.p.no_restarts)]
+    assert isinstance(actions[3], GiveUp) and actions[3].rank == 1
+    assert actions[4:] == [Reform(1, (0, 2, 3), group=(0, 2, 3))]
+    assert not any(isinstance(a, NotComingBack) for a in actions)
+    # the table: mesh ranks keep their numbers, torch ranks are dense
+    assert s.t.group == (0, 2, 3) and s.t.generation == 1
+    assert [s.t.torch_rank(r) for r in range(4)] == [0, None, 1, 2]
+    assert s.t.shed(1) and not s.t.shed(0) and not s.t.must_wait((0, 2, 3))
+    # and again, down to min_ranks: the budget spent this time
+    s.p.budget = 1
+    s.handle(Died(3, now=2.0))
+    s.handle(Timer(now=2.0))
+    s.ready(3)
+    assert s.t.group == (0, 2, 3)  # a respawn keeps the group as it is
+    actions = s.handle(Died(3, now=3.0))
+    assert Shrink((0, 2), (3,), "rank 3 is not coming back (restart budget spent); "
+                                "%monarch restart 3 brings it back") in actions
+    assert actions[-1] == Reform(3, (0, 2), group=(0, 2)) and s.t.group == (0, 2)
+    assert [s.t.torch_rank(r) for r in range(4)] == [0, None, 1, None]
+
+
+def test_below_min_ranks_no_shrink_the_waiters_are_told_why() -> None:
+    s = Script(3, budget=0, min_ranks=3)
+    actions = s.handle(Died(2, now=0.0))
+    assert not any(isinstance(a, (Shrink, Reform)) for a in actions)
+    assert isinstance(actions[-1], NotComingBack) and actions[-1].ranks == (2,)
+    assert actions[-1].reason.endswith("; 2 rank(s) left, fewer than min_ranks=3: the group "
+                                       "does not go on without them")
+    assert s.t.group == (0, 1, 2) and s.t.generation == 0
+
+
+def test_without_min_ranks_the_group_keeps_every_rank() -> None:
+    s = Script(3, budget=0)
+    actions = s.handle(Died(1, now=0.0))
+    assert actions[-1] == NotComingBack((1,), "rank 1 is not respawned: " + s.p.no_restarts)
+    s.handle(Died(2, now=1.0))
+    s.handle(RestartRequested((2,), now=2.0))  # a Reform with a FAILED rank: same group
+    assert s.t.group == (0, 1, 2) and s.t.generation == 1
+
+
+def test_a_host_lost_without_a_spare_shrinks_the_group() -> None:
+    s = Script(4, min_ranks=2)
+    acts = s.handle(HostLost("hB", (2, 3), now=5.0))
+    assert acts[:3] == [Move(2, S.LOST), Move(3, S.LOST), Shrink((0, 1), (2, 3), (
+        "host hB lost with rank 2,3, and no spare host; give the mesh a host "
+        "(mesh.add_hosts('HOST')), then %monarch restart 2,3"))]
+    assert [type(a) for a in acts[3:]] == [Report, Report, Reform]
+    assert acts[-1] == Reform(1, (0, 1), group=(0, 1))
+    # a host back (a user's restart): the ranks rejoin, the group is whole again
+    acts = s.handle(RestartRequested((2, 3), now=9.0))
+    assert acts[-1] == Reform(2, (0, 1, 2, 3), group=(0, 1, 2, 3)) and s.t.group == (0, 1, 2, 3)
+    assert [s.t.torch_rank(r) for r in range(4)] == [0, 1, 2, 3]
+
+
+def test_respawn_off_with_min_ranks_shrinks_too() -> None:
+    s = Script(3, mode="off", min_ranks=1)
+    acts = s.handle(Died(0, now=0.0))
+    assert acts[1] == Shrink((1, 2), (0,), "rank 0 is not respawned (respawn is off)")
+    assert acts[-1] == Reform(1, (1, 2), group=(1, 2))
+    assert [s.t.torch_rank(r) for r in range(3)] == [None, 0, 1]
+
+
+def test_a_shrink_while_a_rank_waits_out_its_backoff_is_formed_by_the_timer() -> None:
+    s = Script(4, budget=3, base=1.0, min_ranks=2)
+    for t in (0.0, 0.1):  # rank 3 in a crash loop: its second death waits out a backoff
+        s.handle(Died(3, now=t))
+    assert s.state(3) == S.WAITING
+    s.p.budget = 0
+    acts = s.handle(Died(1, now=0.2))
+    # rank 3 is coming back: it stays in the group, formed once it is respawned
+    shrink = next(a for a in acts if isinstance(a, Shrink))
+    assert shrink.ranks == (0, 2, 3) and shrink.gone == (1,)
+    assert not any(isinstance(a, Reform) for a in acts) and s.t.group == (0, 1, 2, 3)
+    deadline = s.p.next_deadline()
+    assert deadline is not None
+    acts = s.handle(Timer(deadline))
+    assert acts == [Respawn(3, 2), Reform(2, (0, 2, 3), group=(0, 2, 3))]
+
+
+def test_min_ranks_outside_the_mesh_is_refused() -> None:
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="min_ranks"):
+            RestartPolicy(RankTable(4), min_ranks=bad)
+    t = RankTable(3)
+    for bad_group in ((), (2, 1), (0, 3), (1, 1)):
+        with pytest.raises(ValueError, match="group"):
+            t.reformed(1, bad_group)

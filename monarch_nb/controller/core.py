@@ -180,7 +180,8 @@ class Controller:
         self._last_ping = 0.0
         policy = RestartPolicy(self.ranks, mode=cfg.respawn, budget=cfg.restart_budget,
                                window=cfg.restart_window,
-                               no_restarts=cfg.no_restarts_hint or RestartPolicy.no_restarts)
+                               no_restarts=cfg.no_restarts_hint or RestartPolicy.no_restarts,
+                               min_ranks=cfg.min_ranks)
         self.recovery = Recovery(cfg, self.ranks, self.calls, self.supervisor, self.io,
                                  self.codec, policy, announce=self._announce,
                                  dispatch=lambda call: self.caller.dispatch(call),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..config import ENV_MESH_RANK
 from ..errors import MonarchError
 
 _state: dict[str, Any] = {}
@@ -34,13 +35,29 @@ def _get(name: str) -> Any:
 
 
 def rank() -> int:
-    """This process's rank in the mesh (0-based)."""
+    """This process's rank in its torch.distributed group (0-based):
+    ``dist.get_rank()``, ``RANK``. The same as :func:`mesh_rank` unless the
+    group went on without some ranks (``min_ranks``): then the group's
+    ranks are dense, 0..world_size()-1, in the order of the mesh's."""
     return int(_get("rank"))
 
 
 def world_size() -> int:
-    """Number of ranks in the mesh."""
+    """Number of ranks in the torch.distributed group now
+    (``dist.get_world_size()``, ``WORLD_SIZE``): the mesh's, or fewer while
+    the group goes on without lost ranks (``min_ranks``)."""
     return int(_get("world_size"))
+
+
+def mesh_rank() -> int:
+    """This process's rank number in the mesh: stable for the mesh's life
+    (what ``--ranks``, ``mesh[i]``, results, ``mesh.status()``, logs and
+    the dashboard use), whatever the torch group's size (:func:`rank`)."""
+    if "mesh_rank" in _state:
+        return int(_state["mesh_rank"])
+    if ENV_MESH_RANK in os.environ:
+        return int(os.environ[ENV_MESH_RANK])
+    return rank()
 
 
 def local_rank() -> int:

@@ -151,7 +151,8 @@ class Worker:
     def start(self) -> None:
         env = self.env
         _context._set(
-            rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
+            rank=env.rank, world_size=env.world_size, mesh_rank=env.mesh_rank,
+            local_rank=env.local_rank,
             incarnation=env.incarnation, backend=env.backend, generation=env.generation,
             await_reform=self.members.await_reform,
         )
@@ -197,9 +198,11 @@ class Worker:
         # before this module): handed to the user as `mnb`, not imported here,
         # so the engine takes no dependency on the root's front-end hooks.
         mnb = sys.modules[__name__.partition(".")[0]]
-        world = dist.get_world_size() if dist.is_initialized() else self.env.world_size
+        world = dist.get_world_size() if dist.is_initialized() else _context.world_size()
         _context._set(world_size=world)
-        self.namespace.update(mnb=mnb, torch=torch, dist=dist, rank=self.env.rank,
+        # the torch group's numbers (dense, fewer ranks after a shrink): what
+        # dist.get_rank() says; mnb.mesh_rank() is the mesh's
+        self.namespace.update(mnb=mnb, torch=torch, dist=dist, rank=_context.rank(),
                               world_size=world, local_rank=self.env.local_rank,
                               device=_context.device())
 
@@ -415,7 +418,7 @@ class Worker:
         try:
             self._control_loop()
         except BaseException:
-            print(f"monarch_nb rank {self.env.rank}: the control thread failed, exiting:\n"
+            print(f"monarch_nb rank {self.env.mesh_rank}: the control thread failed, exiting:\n"
                   f"{traceback.format_exc()}", file=sys.__stderr__, flush=True)
             os._exit(4)
 
@@ -442,7 +445,7 @@ class Worker:
                     try:
                         self._control(msg)
                     except Exception:  # one bad request must not end the control thread
-                        print(f"monarch_nb rank {env.rank}: serving a {msg.kind.value} "
+                        print(f"monarch_nb rank {env.mesh_rank}: serving a {msg.kind.value} "
                               f"request failed:\n{traceback.format_exc()}", file=sys.__stderr__)
             # a kept mesh's rank with nobody listening keeps what it would send
             away = self.keeper is not None and kept.detached(now, self.last_ping)
@@ -480,7 +483,7 @@ class Worker:
                 # hold by the main thread this thread runs on from where it
                 # was, and the pings of the hold are still to be read)
                 if now - self.last_ping > env.controller_timeout and not ctl.poll(0):
-                    print(f"monarch_nb rank {env.rank}: controller silent for "
+                    print(f"monarch_nb rank {env.mesh_rank}: controller silent for "
                           f"{env.controller_timeout:g} s, exiting", file=sys.__stderr__)
                     os._exit(3)
                 if env.parent_pid and os.getppid() != env.parent_pid:

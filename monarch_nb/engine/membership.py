@@ -8,6 +8,12 @@ It owns the messages of the main channel read ahead meanwhile
 (:attr:`pending`), which the worker serves first, in order, once the call
 is over.
 
+The group may be smaller than the mesh (an elastic world size: the
+controller's Shrink, ``min_ranks``): a REFORM names its members, the mesh's
+rank numbers in the order of their torch ranks, and this rank joins as its
+place among them (dense torch ranks 0..k-1, ``RANK`` and ``WORLD_SIZE`` to
+match); ``mnb.mesh_rank()`` keeps the mesh's number.
+
 A join can be overtaken: a member that dies while the group forms makes
 the controller send a newer REFORM, and the join in progress is abandoned
 for it (backends.JoinAborted). A call that failed because a peer left
@@ -151,6 +157,7 @@ class Membership:
         meta = meta_of(msg, Kind.REFORM)
         generation, port = int(meta["generation"]), int(meta["port"])
         addr = str(meta.get("addr") or self.env.master_addr)
+        rank, world = self.place(meta.get("members"))
         # "out of the old collective, joining": the controller stops waiting
         # for this survivor before the (slower) join completes
         self.send(Kind.REFORMED, meta={"generation": generation, "joining": True})
@@ -159,9 +166,13 @@ class Membership:
             leave_group()
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
             os.environ["MONARCH_NB_GENERATION"] = str(generation)
-            init_group(self.env.backend, self.env.rank, self.env.world_size, addr, port,
+            # torchrun's names for the group's numbers, as a process started
+            # into this group gets them (procs/supervisor.py)
+            os.environ["RANK"] = os.environ["ROLE_RANK"] = str(rank)
+            os.environ["WORLD_SIZE"] = os.environ["ROLE_WORLD_SIZE"] = str(world)
+            init_group(self.env.backend, rank, world, addr, port,
                        abort=lambda: self.newer_reform(generation))
-            _context._set(generation=generation)
+            _context._set(generation=generation, rank=rank, world_size=world)
         except JoinAborted:
             raise
         except Exception as exc:  # reported; the controller decides
@@ -172,6 +183,16 @@ class Membership:
         if error:
             raise JoinFailed(f"could not join generation {generation}: {error}")
         return generation
+
+    def place(self, members: object) -> tuple[int, int]:
+        """This rank's torch rank and the group's size in a REFORM naming
+        ``members`` (mesh ranks, in torch rank order); none named: the mesh's."""
+        mine = self.env.mesh_rank
+        if not isinstance(members, list) or not members:
+            return mine, self.env.mesh_size
+        if mine not in members:  # the controller tells only members: a bug if seen
+            raise JoinFailed(f"rank {mine} is not a member of the new group {members}")
+        return members.index(mine), len(members)
 
 
 

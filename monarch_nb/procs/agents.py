@@ -488,7 +488,7 @@ class AgentLauncher:
         return list(self.inner.nodes)
 
     def start(self, rank: int, env: dict[str, str], log: IO[bytes]) -> RemoteRank:
-        world = int(env.get("WORLD_SIZE", rank + 1))
+        world = config.mesh_size(env, rank)
         host = self.placement(rank, world).host
         if self.host_lost(host):  # a restart after a lost host: onto a spare if one is left
             host = self.replace_host(host) or host

@@ -198,7 +198,7 @@ class _RemoteLauncher:
         raise NotImplementedError
 
     def start(self, rank: int, env: dict[str, str], log: IO[bytes]) -> subprocess.Popen[bytes]:
-        place = self.placement(rank, int(env.get("WORLD_SIZE", rank + 1)))
+        place = self.placement(rank, config.mesh_size(env, rank))
         popen = _popen(self.command(place), _local_env(env), log, subprocess.PIPE)
         assert popen.stdin is not None
         try:

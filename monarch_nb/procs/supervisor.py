@@ -79,6 +79,9 @@ class Supervisor:
     mesh_id: str
     master_port: int
     generation: int = 0
+    # the mesh ranks of the group new processes join, in the order of their
+    # torch ranks (RANK, WORLD_SIZE); empty: every rank (recovery's reform)
+    group: tuple[int, ...] = ()
     controller_timeout: float = 10.0
     max_message_bytes: int = 4 << 30
     shm_threshold: int | None = None  # local ranks only (wire/shm.py)
@@ -104,17 +107,31 @@ class Supervisor:
     def __post_init__(self) -> None:
         os.chmod(self.log_dir, 0o700)
 
-    def reform(self, generation: int, master_port: int) -> None:
+    def reform(self, generation: int, master_port: int,
+               group: tuple[int, ...] | None = None) -> None:
         """The group that processes started from now on join: its
-        generation and its store's port (the controller's recovery decides
-        both; only this method changes them)."""
+        generation, its store's port and, when it changes, its mesh ranks
+        (the controller's recovery decides them; only this method changes
+        them)."""
         self.generation, self.master_port = generation, master_port
+        if group is not None:
+            self.group = () if group == tuple(range(self.world_size)) else tuple(group)
+
+    def torch_rank(self, rank: int) -> tuple[int, int]:
+        """``rank``'s rank in the group new processes join, and its size
+        (dense while the group goes on without lost ranks)."""
+        if not self.group or rank not in self.group:
+            return rank, self.world_size
+        return self.group.index(rank), len(self.group)
 
     def env_for(self, rank: int, incarnation: int, identity: str) -> dict[str, str]:
         env = dict(os.environ)
         for var in (config.ENV_KEY_FILE,):
             env.pop(var, None)
         place = self.launcher.placement(rank, self.world_size)
+        # RANK, WORLD_SIZE (and torchrun's ROLE_*) are the torch group's;
+        # placement and the mesh's own numbers stay the mesh's
+        group_rank, group_size = self.torch_rank(rank)
         # torchrun's environment (torch/distributed/elastic/agent/server/
         # local_elastic_agent.py), so that code written for it runs as is and
         # dist.is_torchelastic_launched() is True. The role is the whole mesh;
@@ -124,8 +141,8 @@ class Supervisor:
         # comes in extra_env and wins.
         env.update({
             "ROLE_NAME": "default",
-            "ROLE_RANK": str(rank),
-            "ROLE_WORLD_SIZE": str(self.world_size),
+            "ROLE_RANK": str(group_rank),
+            "ROLE_WORLD_SIZE": str(group_size),
             "GROUP_WORLD_SIZE": str(-(-self.world_size // max(1, place.local_world_size))),
             "TORCHELASTIC_RESTART_COUNT": str(incarnation),
             "TORCHELASTIC_MAX_RESTARTS": str(self.restart_budget),
@@ -138,12 +155,12 @@ class Supervisor:
         env.update(self.extra_env)
         self._thread_defaults(env, place.local_world_size)
         env.update({
-            "RANK": str(rank),
+            "RANK": str(group_rank),
             "LOCAL_RANK": str(place.local_rank),
-            "WORLD_SIZE": str(self.world_size),
+            "WORLD_SIZE": str(group_size),
             "LOCAL_WORLD_SIZE": str(place.local_world_size),
             "GROUP_RANK": str(place.node),
-            "MASTER_ADDR": self.launcher.master_addr(self.world_size),
+            "MASTER_ADDR": self.master_addr(),
             "MASTER_PORT": str(self.master_port),
             config.ENV_CONTROLLER: self.controller_endpoint,
             config.ENV_KEY: self.key.hex(),
@@ -154,6 +171,8 @@ class Supervisor:
             config.ENV_CONTROLLER_TIMEOUT: str(self.controller_timeout),
             config.ENV_IDENTITY: identity,
             config.ENV_GENERATION: str(self.generation),
+            config.ENV_MESH_RANK: str(rank),
+            config.ENV_MESH_SIZE: str(self.world_size),
             config.ENV_MAX_MESSAGE: str(self.max_message_bytes),
             "PYTHONUNBUFFERED": "1",
         })
@@ -350,7 +369,15 @@ class Supervisor:
             pass
 
     def master_addr(self) -> str:
-        """MASTER_ADDR of the group now (rank 0's host's when a spare took its place)."""
+        """MASTER_ADDR of the group now: its torch rank 0's host's (rank 0's
+        host's when a spare took its place; the first rank left's when the
+        group went on without rank 0)."""
+        first = self.group[0] if self.group else 0
+        if first and self.launcher.remote:
+            address_of = getattr(getattr(self.launcher, "inner", self.launcher), "address_of", None)
+            host = self.launcher.placement(first, self.world_size).host
+            if address_of is not None and host:
+                return str(address_of(host))
         return self.launcher.master_addr(self.world_size)
 
     def host_silent(self, rank: int, after: float = 1.0) -> bool:

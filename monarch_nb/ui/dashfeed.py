@@ -14,7 +14,10 @@ messages; it keeps cursors so that each message carries only what changed:
 
 ``lost`` (:func:`~monarch_nb.ui.status.lost_hosts`): ``[{"host", "ranks",
 "hint"}]``, the lines ``%monarch status`` prints, so the page words them
-the same way and builds no text of its own.
+the same way and builds no text of its own. ``group``
+(:func:`~monarch_nb.ui.status.group_line`): the torch group's size now when
+it went on without lost ranks (``min_ranks``), else ""; each tile has its
+``torch_rank`` (None: out of the group).
 
 ``flight`` (:func:`flight_view`) is the collectives badge and the straggler
 marks: ``{"findings": [text, ...], "slow": {rank: ratio}}``, the texts those
@@ -39,7 +42,7 @@ from typing import Any
 
 from ..controller.analysis.collectives import CollectiveReport, Finding, StragglerReport
 from ..controller.metricstore import MetricsStore
-from .status import lost_hosts
+from .status import group_line, lost_hosts
 
 MAX_HZ = 10.0
 SNAPSHOT_POINTS = 2000  # per series in a snapshot (the newest point always exact)
@@ -175,6 +178,7 @@ class Feed:
         self.flight: dict[str, Any] = NO_FLIGHT  # set by the dashboard's watcher thread
         self._flight_sent: dict[str, Any] = NO_FLIGHT
         self._lost_sent: list[dict[str, str]] = []
+        self._group_sent = ""
 
     def _tiles_now(self) -> list[dict[str, Any]]:
         tiles = [tile(r) for r in self.rows()]
@@ -241,6 +245,9 @@ class Feed:
         lost = lost_hosts(list(self._tiles.values()))
         if lost != self._lost_sent:
             self._lost_sent = msg["lost"] = lost
+        group = group_line(list(self._tiles.values()))
+        if group != self._group_sent:
+            self._group_sent = msg["group"] = group
         return msg if len(msg) > 1 else None
 
     def snapshot(self) -> dict[str, Any]:
@@ -254,11 +261,12 @@ class Feed:
         self._names = len(names)
         self._flight_sent = flight = self.flight
         self._lost_sent = lost = lost_hosts(rows)
+        self._group_sent = group = group_line(rows)
         return {
             "t": "snapshot", "world": self.store.world_size, "state": self.state,
             "series": [[r, n, s, [_num(x) for x in v]] for (r, n), (s, v) in everything.items()],
             "tiles": rows, "events": _news(events)[-MAX_EVENTS:], "names": names,
-            "flight": flight, "lost": lost,
+            "flight": flight, "lost": lost, "group": group,
         }
 
 

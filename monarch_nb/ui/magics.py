@@ -28,7 +28,7 @@ from .status import format_status
 HELP = """\
 %monarch start [-n N] [--backend auto|cuda|rocm|cpu] [--respawn rank|all|off]
                [--launcher local|ssh|slurm] [--hosts H1,H2] [--spare-hosts H3] [--no-dashboard]
-               [--hang-timeout SECONDS] [--name NAME --keep-alive DURATION]
+               [--hang-timeout SECONDS] [--name NAME --keep-alive DURATION] [--min-ranks M]
 %monarch stop [--signal TERM] [--grace S] | status | dashboard | help
 %monarch attach NAME [--force]                  take over a kept mesh (it outlives its kernel)
 %monarch detach                                 let a kept mesh go on without this kernel
@@ -75,6 +75,11 @@ class _Parsers:
     @argument("--keep-alive", default=None,
               help="how long a kept mesh waits for a kernel to attach: 90s, 30m, 2h "
                    "(default 30m)")
+    @argument("--min-ranks", type=int, default=None, metavar="M",
+              help="elastic world size: when ranks are gone for good (restart budget spent, "
+                   "host lost with no spare) and at least M are left, the group re-forms "
+                   "among them (torch ranks 0..k-1; mesh rank numbers stay) and --elastic "
+                   "cells carry on (default: the group keeps every rank)")
     def start(self, line: str) -> None: ...
 
     @magic_arguments()
@@ -239,7 +244,8 @@ class MonarchMagics(Magics):
         MeshConfig(n=args.n, backend=args.backend, respawn=args.respawn, launcher=args.launcher,
                    hosts=tuple(h for h in args.hosts.split(",") if h),
                    hang_timeout=args.hang_timeout, spare_hosts=args.spare_hosts,
-                   host_timeout=args.host_timeout, name=args.name, keep_alive=args.keep_alive)
+                   host_timeout=args.host_timeout, name=args.name, keep_alive=args.keep_alive,
+                   min_ranks=args.min_ranks)
         from IPython.display import display
 
         handle = display(_Text("monarch_nb: starting ranks..."), display_id=True)
@@ -255,7 +261,7 @@ class MonarchMagics(Magics):
                                launcher=args.launcher, hosts=args.hosts, progress=progress,
                                hang_timeout=args.hang_timeout, spare_hosts=args.spare_hosts,
                                host_timeout=args.host_timeout, name=args.name,
-                               keep_alive=args.keep_alive)
+                               keep_alive=args.keep_alive, min_ranks=args.min_ranks)
         mesh = self.mesh
         if args.launcher == "local":
             _omp_notice(mesh.world_size)

@@ -46,6 +46,9 @@ def format_status(mesh: Any) -> str:
         lines.append(f"{r['rank']:>4}  {r['state']:<10} {r['pid'] or '-':>7}  {r['incarnation']:>3}  "
                      f"{r['device'] or '-':<7} {hb:>9} {cpu:>6} {_bytes(r.get('rss')):>6}  "
                      f"{_gpu(r):<22} {sps:>8}  {tail}".rstrip())
+    shrunk = group_line(rows)
+    if shrunk:
+        lines.append(shrunk)
     dead = [r["rank"] for r in rows if r["state"] in ("dead", "waiting")]
     if dead:
         lines.append(f"dead: rank {format_ranks(dead)}")
@@ -55,6 +58,17 @@ def format_status(mesh: Any) -> str:
     if dropped:
         lines.append("dropped messages: " + ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))
     return "\n".join(lines)
+
+
+def group_line(rows: list[dict[str, Any]]) -> str:
+    """The torch group's size now when it went on without some ranks
+    (``min_ranks``), else "": for ``%monarch status`` and the dashboard."""
+    out = [r["rank"] for r in rows if "torch_rank" in r and r["torch_rank"] is None]
+    if not out:
+        return ""
+    members = [r["rank"] for r in rows if r.get("torch_rank") is not None]
+    return (f"world size now: {len(members)} of {len(rows)} (rank {format_ranks(members)}; "
+            f"the group went on without rank {format_ranks(out)})")
 
 
 def lost_hosts(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
@@ -69,4 +83,4 @@ def lost_hosts(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
             for host, rs in ranks.items()]
 
 
-__all__ = ["format_status", "lost_hosts"]
+__all__ = ["format_status", "group_line", "lost_hosts"]

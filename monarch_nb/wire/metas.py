@@ -103,6 +103,9 @@ class ReformMeta(TypedDict, total=False):
     generation: int
     port: int
     addr: str  # MASTER_ADDR of the new group (it moves when rank 0's host was replaced)
+    # its members' mesh ranks, in the order of their torch ranks (fewer than
+    # the mesh's after a shrink: engine/membership.py)
+    members: list[int]
 
 
 class ReformedMeta(TypedDict, total=False):

@@ -162,7 +162,7 @@ META: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.HEARTBEAT: {"busy": _I, "h": _D},  # busy: the call running (0: idle); h: health
     Kind.INTERRUPTED: {"where": _S},
     Kind.STACKS_REPLY: {"threads": _L, "busy": _I},
-    Kind.REFORM: {"generation": _I, "port": _I, "addr": _S},
+    Kind.REFORM: {"generation": _I, "port": _I, "addr": _S, "members": _L},
     Kind.REFORMED: {"generation": _I, "joining": _B, "error": _S},
     Kind.INPUT: {"text": _S},
     Kind.PROMPT: {"prompt": _S},

@@ -19,6 +19,7 @@ from typing import Any
 from ...config import MeshConfig
 from ...errors import MonarchError, lost_host_hint
 from ...futures import MeshFuture
+from ...results import Lost
 from ...wire import chunks
 from ...wire.protocol import Codec, Kind, exec_parts
 from ...wire.transport import IOLoop
@@ -163,12 +164,14 @@ class Caller:
 
     def refuse_dead(self, ranks: tuple[int, ...]) -> None:
         """A call to a rank that is gone for good is a usage error (raised
-        on the caller's thread). Whether a dead rank comes back is the
-        rank table's answer."""
+        on the caller's thread), unless the group went on without it (an
+        elastic world size): then the call runs on the others and its entry
+        says it is lost (:meth:`dispatch`). Whether a dead rank comes back
+        is the rank table's answer."""
         for r in ranks:
             info = self.ranks[r]
             state = info.state
-            if self.ranks.gone_for_good(r):
+            if self.ranks.gone_for_good(r) and not self.ranks.shed(r):
                 why = ("its restart budget is spent" if state == RankState.FAILED
                        else "the mesh was stopped" if state == RankState.STOPPED
                        else "its host was lost" if state == RankState.LOST
@@ -240,8 +243,23 @@ class Caller:
         self._sent(call, tuple(live))
         for r in call.ranks:
             if r not in live:
-                self.calls.complete(call, r, error=self.recovery.died_error(self.ranks[r]))
+                if self.ranks.shed(r):  # the group went on without it: no error
+                    self.calls.complete(call, r, Lost(r, self.lost_reason(r)))
+                else:
+                    self.calls.complete(call, r, error=self.recovery.died_error(self.ranks[r]))
         self.calls.finish_if_done(call)
+
+    def lost_reason(self, rank: int) -> str:
+        """Why the group went on without ``rank``: its entry in a call's results."""
+        info = self.ranks[rank]
+        why = ("not respawned: restart_budget=0" if info.state == RankState.FAILED
+               and self.cfg.restart_budget == 0
+               else "its restart budget is spent" if info.state == RankState.FAILED
+               else "its host was lost" if info.state == RankState.LOST
+               else describe_exit(info.exitcode))
+        back = (lost_host_hint([rank]) if info.state == RankState.LOST else
+                f"%monarch restart {rank} brings it back")
+        return f"the group went on without it ({why}); {back}"
 
     def _sent(self, call: PendingCall, ranks: tuple[int, ...]) -> None:
         self.calls.sent(call)

@@ -30,7 +30,6 @@ from typing import Any
 from ...errors import (
     MembershipChanged,
     MeshNotRunning,
-    RankDied,
     RankErrors,
     RemoteError,
     is_peer_loss,
@@ -234,6 +233,17 @@ class CallTable:
                 call.errors.setdefault(rank, error_for(rank))
                 self._rank_done(call, rank)
 
+    def shed(self, call: PendingCall, ranks: set[int], lost_for: Callable[[int], Any]) -> None:
+        """The group went on without ``ranks`` (an elastic world size): an
+        elastic ``call`` that had them carries on without them, each one's
+        entry ``lost_for(rank)`` (a Lost, not an error)."""
+        for rank in sorted(ranks):
+            if rank in call.remaining or rank in call.reissue:
+                call.reissue.discard(rank)
+                call.held.pop(rank, None)
+                call.results[rank] = lost_for(rank)
+                self._rank_done(call, rank)
+
     def stop(self, why: str) -> None:
         """The mesh stops: every call ends, sent or waiting, with MeshNotRunning."""
         self.waiting = []
@@ -280,8 +290,10 @@ class CallTable:
 
 def classify_membership(errors: dict[int, BaseException]) -> None:
     """Survivors cut short in a collective by a death get MembershipChanged
-    instead of a raw gloo/nccl error, naming the ranks that died."""
-    dead = sorted(r for r, e in errors.items() if isinstance(e, RankDied))
+    instead of a raw gloo/nccl error, naming the ranks that died (their
+    process ended: RankDied, or the policy's words for a rank given up)."""
+    dead = sorted(r for r, e in errors.items()
+                  if not isinstance(e, (RemoteError, MembershipChanged)))
     if not dead:
         return
     for rank, err in list(errors.items()):

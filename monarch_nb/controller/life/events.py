@@ -23,6 +23,7 @@ class EventKind(str, enum.Enum):
     BUSY_SILENT = "busy_silent"  # no heartbeat, but running: holding the GIL (not killed)
     REFORMED = "reformed"  # the mesh formed a new group (rank -1)
     REFORM_FAILED = "reform_failed"  # a member could not join it
+    SHRUNK = "shrunk"  # the group went on without ranks gone for good (rank -1; min_ranks)
     SETUP_FAILED = "setup_failed"  # replaying a --setup cell failed on a new process
     STOPPED = "stopped"  # the mesh was stopped (rank -1)
     ATTACHED = "attached"  # a controller attached to the kept mesh (rank -1; detail: its pid)

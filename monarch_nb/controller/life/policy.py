@@ -40,6 +40,10 @@ Decisions::
                                       Respawn(host=spare) keeping the rank number, Reform;
                                       without: Report, NotComingBack.
                                       DEAD / FAILED / LOST / STOPPED: no change.
+    (any of the NotComingBack cases above, with ``min_ranks`` and at least
+    that many ranks left)          -> Shrink, the ranks' own Report / GiveUp,
+                                      Reform(group=the ranks left) (none while a rank
+                                      left waits out its backoff: the Timer's forms it)
     Probed (READY/BUSY, in a collective)  -> ReplaceStuck (RESPAWNING, incarnation + 1)
     SpareCheck                     -> StartSpare while a rank waits out its backoff, or
                                       once the mesh has been settled ``SPARE_DELAY_S``
@@ -55,6 +59,17 @@ off, budget spent, host lost with no spare) ends with :class:`NotComingBack`
 naming the ranks and why. An elastic call's survivors wait for exactly that
 re-formation (mnb.elastic); their own timeout is the last resort, not the
 mechanism.
+
+Elastic world size (``min_ranks``). Without it the group always has every
+rank: one gone for good ends the elastic calls (NotComingBack). With it,
+and at least ``min_ranks`` ranks left (those not gone for good: not FAILED,
+LOST, STOPPED nor DEAD for good), the group goes on without the lost ones
+instead: :class:`Shrink` says so (before their own Report / GiveUp, so an
+elastic call records them lost rather than failed) and the Reform that
+follows names the new ``group``, in which mesh rank ``group[i]`` is torch
+rank ``i``. Fewer left: NotComingBack, its reason saying how many remain.
+A rank brought back (a user's restart) is in the group again at the Reform
+that starts it: every Reform's group is the ranks not gone for good.
 
 Modes: ``rank`` replaces only the dead rank; ``all`` replaces every rank
 (the survivors are restarted too, torchrun-style); ``off`` reports and keeps
@@ -95,6 +110,9 @@ SPARE_DELAY_S = 2.0  # settled this long before a spare process is started
 
 S = RankState
 _NO_PROCESS = GONE  # DEAD, WAITING, FAILED, LOST, STOPPED
+# not coming back until a user acts (DEAD: within one stimulus a dead rank
+# moves on to WAITING or FAILED, except with respawn off, where it stays)
+_FOR_GOOD = frozenset({RankState.DEAD, RankState.FAILED, RankState.LOST, RankState.STOPPED})
 
 
 # -- stimuli: what happened to a rank (not the event log of life/events.py) --
@@ -194,11 +212,29 @@ class Kill:
 
 @dataclass(frozen=True)
 class Reform:
-    """Form a new torch.distributed group (new store, new port) of ``ranks``:
-    the table's next ``generation``."""
+    """Form a new torch.distributed group (new store, new port): the table's
+    next ``generation``; ``ranks``: its members with a process (started or
+    told to join). ``group``: the mesh ranks of the new group, in the order
+    of their torch ranks, when it changes (a shrink, a rank back in it);
+    None: the same as the last."""
 
     generation: int
     ranks: tuple[int, ...]
+    group: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Shrink:
+    """The group goes on without ``gone`` (not coming back: budget spent,
+    host lost with no spare, respawn off), ``reason`` saying why: its members
+    are ``ranks`` now (at least ``min_ranks``). Calls that had ``gone`` record
+    them lost; an elastic call carries on with the rest. The Reform that
+    forms the smaller group follows (or, while a member waits out its
+    backoff, the Timer's)."""
+
+    ranks: tuple[int, ...]
+    gone: tuple[int, ...]
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -241,8 +277,8 @@ class StartSpare:
     """Start a spare process (torch imported, waiting to become a rank)."""
 
 
-Action = (Move | Respawn | Kill | Reform | GiveUp | Report | NotComingBack | ReplaceStuck
-          | StartSpare)
+Action = (Move | Respawn | Kill | Reform | Shrink | GiveUp | Report | NotComingBack
+          | ReplaceStuck | StartSpare)
 
 
 class _Snapshot:
@@ -281,6 +317,10 @@ class _Snapshot:
     def members(self) -> tuple[int, ...]:
         return tuple(r for r in range(len(self.table)) if self.state(r) not in _NO_PROCESS)
 
+    def left(self) -> tuple[int, ...]:
+        """The ranks not gone for good: the group of an elastic world size."""
+        return tuple(r for r in range(len(self.table)) if self.state(r) not in _FOR_GOOD)
+
 
 @dataclass
 class RestartPolicy:
@@ -298,11 +338,16 @@ class RestartPolicy:
     # on, as the user would set it (script mode names its --max-restarts)
     no_restarts: str = ("restart_budget=0; start the mesh with restart_budget=N "
                         "(Mesh.start(..., restart_budget=N)) to respawn dead ranks")
+    # elastic world size: the group goes on without ranks gone for good while
+    # at least this many are left; None: it keeps every rank (see above)
+    min_ranks: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("rank", "all", "off"):
             raise ValueError(f"unknown respawn mode {self.mode!r}")
         n = len(self.table)
+        if self.min_ranks is not None and not 1 <= self.min_ranks <= n:
+            raise ValueError(f"min_ranks {self.min_ranks} outside 1..{n}")
         self.deaths: list[list[float]] = [[] for _ in range(n)]  # times of deaths in the window
         # times of the deaths of the crash loop a rank is in (the backoff): since,
         # and with, the death of its last process that answered a call
@@ -353,10 +398,9 @@ class RestartPolicy:
             return  # already handled (a second report of the same death)
         snap.move(rank, S.DEAD)
         if self.mode == "off":
-            snap.actions.append(Report(rank, f"rank {rank} died ({ev.cause}); respawn is off, "
-                                             "the survivors carry on"))
-            snap.actions.append(NotComingBack((rank,), f"rank {rank} is not respawned "
-                                              "(respawn is off)"))
+            self._gone(snap, (rank,), [Report(rank, f"rank {rank} died ({ev.cause}); respawn is "
+                                              "off, the survivors carry on")],
+                       f"rank {rank} is not respawned (respawn is off)")
             return
         deaths = self.deaths[rank] = [t for t in self.deaths[rank] if ev.now - t < self.window] + [ev.now]
         if len(deaths) > self.budget:
@@ -370,8 +414,7 @@ class RestartPolicy:
                           f"%monarch logs {rank}), then %monarch restart {rank}")
                 why = (f"rank {rank} is not coming back (restart budget spent); "
                        f"%monarch restart {rank} brings it back")
-            snap.actions.append(GiveUp(rank, reason))
-            snap.actions.append(NotComingBack((rank,), why))
+            self._gone(snap, (rank,), [GiveUp(rank, reason)], why)
             return
         # backoff for crash loops only: a working process's death starts one afresh
         if ev.answered:
@@ -419,15 +462,43 @@ class RestartPolicy:
         if ev.spare is None:
             # nothing brings them back: a Report ends their calls, and the
             # survivors of an elastic call are told no re-formation is coming
-            snap.actions.extend(Report(rank, f"rank {rank} lost: host {ev.host} lost; "
-                                       + lost_host_hint([rank])) for rank in lost)
-            snap.actions.append(NotComingBack(tuple(lost), (
-                f"host {ev.host} lost with rank {format_ranks(lost)}, and no spare host; "
-                + lost_host_hint(lost))))
+            # (or, with min_ranks, the group goes on without them)
+            self._gone(snap, tuple(lost), [
+                Report(rank, f"rank {rank} lost: host {ev.host} lost; " + lost_host_hint([rank]))
+                for rank in lost], (f"host {ev.host} lost with rank {format_ranks(lost)}, and "
+                                    "no spare host; " + lost_host_hint(lost)))
             return
         for rank in lost:
             snap.respawn(rank, host=ev.spare)
-        snap.actions.append(Reform(self.table.generation + 1, snap.members()))
+        self._reform(snap)
+
+    def _gone(self, snap: _Snapshot, gone: tuple[int, ...], own: list[Action],
+              why: str) -> None:
+        """``gone`` will not come back until the user acts; ``own``: their
+        own Report or GiveUp (which end their calls), ``why``: the reason.
+        With ``min_ranks`` and enough ranks left the group goes on without
+        them (Shrink first: an elastic call then records them lost, not
+        failed); else whoever waits for them is told (NotComingBack)."""
+        left = snap.left()
+        if self.min_ranks is None or len(left) < self.min_ranks:
+            snap.actions.extend(own)
+            if self.min_ranks is not None:
+                why += (f"; {len(left)} rank(s) left, fewer than min_ranks={self.min_ranks}: "
+                        "the group does not go on without them")
+            snap.actions.append(NotComingBack(gone, why))
+            return
+        snap.actions.append(Shrink(left, gone, why))
+        snap.actions.extend(own)
+        if not any(snap.state(r) is S.WAITING for r in left):
+            self._reform(snap)  # (else the Timer's Reform, once the backoff is over)
+
+    def _reform(self, snap: _Snapshot) -> None:
+        """A new generation of the members; with ``min_ranks``, of the ranks
+        not gone for good (a shrink, or a rank restarted back into it)."""
+        group = None
+        if self.min_ranks is not None and snap.left() != self.table.group:
+            group = snap.left()
+        snap.actions.append(Reform(self.table.generation + 1, snap.members(), group))
 
     def _timer(self, snap: _Snapshot, now: float) -> None:
         due = sorted(r for r, at in self._due.items()
@@ -437,7 +508,7 @@ class RestartPolicy:
         for rank in due:
             del self._due[rank]
             snap.respawn(rank)
-        snap.actions.append(Reform(self.table.generation + 1, snap.members()))
+        self._reform(snap)
 
     def next_deadline(self) -> float | None:
         """When the controller should send the next Timer, if ever."""

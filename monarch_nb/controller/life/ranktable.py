@@ -70,17 +70,48 @@ class RankTable:
         self._by_ident: dict[bytes, RankInfo] = {}
         self.events: list[Event] = []
         self._generation = 0  # of the torch.distributed group: RankTable.reformed
+        # the mesh ranks in the group, in the order of their torch ranks: all
+        # of them unless the group went on without some (the policy's Shrink)
+        self._group = tuple(range(world_size))
 
     @property
     def generation(self) -> int:
         """The group's generation (0: the first group; each re-formation +1)."""
         return self._generation
 
-    def reformed(self, generation: int) -> None:
-        """The policy's Reform: the group's next generation."""
+    @property
+    def group(self) -> tuple[int, ...]:
+        """The mesh's rank numbers that form the torch.distributed group now,
+        in the order of their torch ranks (``group[i]`` is torch rank ``i``):
+        every rank, unless the group was shrunk (min_ranks)."""
+        return self._group
+
+    def reformed(self, generation: int, group: tuple[int, ...] | None = None) -> None:
+        """The policy's Reform: the group's next generation, of ``group``
+        when it says (a shrink, or ranks back in it), else of the same ranks."""
         if generation <= self._generation:
             raise ValueError(f"generation {generation} after {self._generation}")
+        if group is not None:
+            if not group or list(group) != sorted(set(group)) or group[-1] >= len(self._ranks):
+                raise ValueError(f"group {group}: mesh ranks in order, each once")
+            self._group = tuple(group)
         self._generation = generation
+
+    def torch_rank(self, rank: int) -> int | None:
+        """Mesh rank ``rank``'s rank in the torch.distributed group now
+        (dense: 0..len(group)-1), or None when the group went on without it."""
+        group = self._group
+        if len(group) == len(self._ranks):
+            return rank
+        try:
+            return group.index(rank)
+        except ValueError:
+            return None
+
+    def shed(self, rank: int) -> bool:
+        """The group went on without ``rank`` and nothing brings it back by
+        itself: a call to the mesh leaves it out (its entry says it is lost)."""
+        return rank not in self._group and self.gone_for_good(rank)
 
     def __getitem__(self, rank: int) -> RankInfo:
         return self._ranks[rank]

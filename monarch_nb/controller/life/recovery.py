@@ -26,6 +26,12 @@ survivors wait for exactly that re-formation (mnb.elastic, on the rank: 300
 s before it gives up by itself). They are interrupted now, and the call
 fails at once with the reason and what to do.
 
+With ``min_ranks`` the group goes on without ranks gone for good instead
+(the policy's Shrink): the elastic calls that had them record them lost
+(:class:`~monarch_nb.results.Lost`, not an error) and carry on, their
+survivors re-forming at the smaller size (the REFORM names the members, in
+torch rank order); calls sent from then on leave them out (caller.py).
+
 Here facts are recorded as they are seen (a READY: READY; our own kill
 signal: DYING; a first start that failed: DEAD) and the policy's actions
 are carried out, its typed moves through the rank table's methods
@@ -52,6 +58,8 @@ from ...config import MeshConfig
 from ...errors import MembershipChanged, MonarchError, RankDied, RankErrors
 from ...futures import MeshFuture
 from ...procs.supervisor import RankProcess, Supervisor
+from ...rankspans import format_ranks
+from ...results import Lost
 from ...stacks import RankStacks
 from ...wire.metas import meta_of
 from ...wire.protocol import Codec, Kind, Message, exec_parts
@@ -74,6 +82,7 @@ from .policy import (
     Respawn,
     RestartPolicy,
     RestartRequested,
+    Shrink,
     SpareCheck,
     StartSpare,
     Timer,
@@ -110,6 +119,7 @@ class Recovery:
         self.lost: set[int] = set()  # the ranks whose new processes the last re-formation awaits
         self.requested: set[int] = set()  # restarted by the user: their return is no news
         self.settled_at = time.monotonic()  # last start, death or respawn
+        self._notes: list[str] = []  # said once the actions at hand are done (apply)
 
     @property
     def generation(self) -> int:
@@ -312,6 +322,7 @@ class Recovery:
     def apply(self, actions: list[Action]) -> None:
         """Carry the policy's actions out, in order: its moves through the
         rank table's methods, the rest with processes, sockets and calls."""
+        self._notes = []  # said after the ranks' own lines (a Shrink's)
         for action in actions:
             if isinstance(action, Move):
                 self.ranks.move(action.rank, action.to)
@@ -323,6 +334,8 @@ class Recovery:
                 self._give_up(action)
             elif isinstance(action, NotComingBack):
                 self._not_coming_back(action)
+            elif isinstance(action, Shrink):
+                self._shrink(action)
             elif isinstance(action, Kill):
                 self._kill(action.rank)
             elif isinstance(action, Respawn):
@@ -333,6 +346,8 @@ class Recovery:
                 self._replace_stuck(action.rank, action.incarnation)
             elif isinstance(action, StartSpare):
                 self.supervisor.start_spare()
+        for note in self._notes:
+            self._announce(note)
 
     def _kill(self, rank: int) -> None:
         """Mode ``all`` or a user's restart: the process goes now (the
@@ -377,16 +392,39 @@ class Recovery:
                 f"{action.reason}"))
         self.send_waiting()
 
+    def _shrink(self, action: Shrink) -> None:
+        """The policy's Shrink: the group goes on without ``action.gone``
+        (the Reform that forms it follows). An elastic call that had them
+        records them lost, not failed, and carries on with the others,
+        which wait for that REFORM (mnb.elastic); any other call loses them
+        by their own Report / GiveUp, which follows."""
+        gone, n = set(action.gone), len(action.ranks)
+        why = f"the group went on without it ({action.reason})"
+        for call in self.calls:
+            if call.elastic and gone & (call.remaining | call.reissue):
+                self.calls.shed(call, gone, lambda r: Lost(r, why))
+        detail = (f"world size {n}: rank {format_ranks(action.ranks)} (without rank "
+                  f"{format_ranks(action.gone)}: {action.reason})")
+        self.ranks.record(-1, EventKind.SHRUNK, detail)
+        # after the lost ranks' own lines (their Report / GiveUp follow), which say why
+        self._notes.append(f"monarch_nb: the group goes on without rank "
+                           f"{format_ranks(action.gone)}, at world size {n} of "
+                           f"{len(self.ranks)} (min_ranks {self.cfg.min_ranks})")
+
     def _reform(self, action: Reform) -> None:
         """New generation: fresh store port; respawning members start with
-        it, live members are told to leave their group and join it."""
-        self.ranks.reformed(action.generation)
+        it, live members are told to leave their group and join it. The
+        REFORM names the group's members (mesh ranks in torch rank order):
+        fewer than the mesh's after a shrink."""
+        self.ranks.reformed(action.generation, action.group)
         port = free_port()
-        self.supervisor.reform(action.generation, port)
-        # the store's address too: it moves with rank 0 when a spare host took its host's place
+        self.supervisor.reform(action.generation, port, self.ranks.group)
+        # the store's address too: it moves with rank 0 when a spare host
+        # took its host's place, or to the first rank left after a shrink
         addr = self.supervisor.master_addr()
         frames = self.codec.sign(Kind.REFORM, meta={"generation": action.generation,
-                                                    "port": port, "addr": addr})
+                                                    "port": port, "addr": addr,
+                                                    "members": list(self.ranks.group)})
         self.reform_frames = frames  # sent again to members slow to answer (tick)
         now = time.monotonic()
         self.lost = {r for r in action.ranks if self.ranks[r].state == RankState.RESPAWNING}
@@ -407,7 +445,8 @@ class Recovery:
                 # idle member may hang leaving its old group, too)
                 self.awaiting_reform[rank] = now + REFORM_GRACE_S
         self.ranks.record(-1, EventKind.REFORMED,
-                          f"generation {action.generation}, ranks {list(action.ranks)}")
+                          f"generation {action.generation}, ranks {list(action.ranks)}"
+                          + (f", world size {len(action.group)}" if action.group else ""))
         self.send_waiting()  # behind the REFORM on every live member's socket
 
     def _replace_stuck(self, rank: int, incarnation: int) -> None:

@@ -1,8 +1,9 @@
 // monarch_nb live dashboard (anywidget ESM; no build step).
 //
 // The kernel sends custom messages (see monarch_nb/ui/dashfeed.py):
-//   {t: "snapshot", world, series: [[rank, name, steps, values]], tiles, events, names, flight, lost}
-//   {t: "delta", series?, cuts?, tiles?, events?, names?, state?, flight?, lost?}
+//   {t: "snapshot", world, series: [[rank, name, steps, values]], tiles, events, names, flight, lost, group}
+//   {t: "delta", series?, cuts?, tiles?, events?, names?, state?, flight?, lost?, group?}
+// group: the torch group's size now when it went on without lost ranks, else ""
 // lost: [{host, ranks, hint}]: the hosts lost with ranks on them, worded by
 // the kernel as %monarch status words them (monarch_nb/ui/status.py).
 // flight: {findings: [text], slow: {rank: ratio}}: the collectives badge
@@ -65,7 +66,7 @@ function dataFor(model) {
 
 function newData() {
   return { world: 0, state: "running", series: new Map(), tiles: new Map(), events: [],
-    names: [], flight: { findings: [], slow: {} }, lost: [], version: 0, listeners: new Set() };
+    names: [], flight: { findings: [], slow: {} }, lost: [], group: "", version: 0, listeners: new Set() };
 }
 
 function seriesOf(data, rank, name) {
@@ -119,6 +120,7 @@ function apply(data, msg) {
   if (msg.names) data.names = msg.names;
   if (msg.flight) data.flight = msg.flight;
   if (msg.lost) data.lost = msg.lost;
+  if (msg.group !== undefined) data.group = msg.group;
   if (msg.world) data.world = msg.world;
   data.version++;
   for (const fn of data.listeners) fn();
@@ -142,7 +144,10 @@ function tileLines(t) {
   const last = Object.entries(t.last || {}).map(([k, v]) => `${k} ${v}`).join(" · ");
   return [
     `pid ${t.pid ?? "-"} · inc ${t.incarnation} · ${t.device || "-"}` +
-      (t.hb ? ` · hb ${t.hb}s ago` : ""),
+      (t.hb ? ` · hb ${t.hb}s ago` : "") +
+      // the torch group's number, where a shrink made it differ from the mesh's
+      (t.torch_rank === null ? " · out of the group" :
+        t.torch_rank !== undefined && t.torch_rank !== t.rank ? ` · torch rank ${t.torch_rank}` : ""),
     `CPU ${num(t.cpu, "%")} · RSS ${bytes(t.rss)}`,
     gpu,
     `${t.sps == null ? "-" : t.sps} steps/s`,
@@ -213,11 +218,13 @@ function render({ model, el }) {
 
   function drawHosts() {
     const lost = data.lost;
-    hostsEl.classList.toggle("on", lost.length > 0);
+    hostsEl.classList.toggle("on", lost.length > 0 || data.group !== "");
     hostsEl.dataset.hosts = lost.map((l) => l.host).join(",");
-    hostsEl.innerHTML = lost.map((l) =>
-      `<b>host ${esc(l.host)} lost</b> with rank ${esc(l.ranks)}<div>${esc(l.hint)}</div>`
-    ).join("");
+    hostsEl.dataset.group = data.group;
+    hostsEl.innerHTML = (data.group ? `<div class="mnb-group">${esc(data.group)}</div>` : "") +
+      lost.map((l) =>
+        `<b>host ${esc(l.host)} lost</b> with rank ${esc(l.ranks)}<div>${esc(l.hint)}</div>`
+      ).join("");
   }
 
   function drawBadge() {
