@@ -81,7 +81,7 @@ class Keep:
         self.outputs: dict[int, list[tuple[str, str]]] = {}
         self._resend = 0
         self._heard_all = threading.Event()
-        self._state_sent: tuple[int, int, int, int] | None = None
+        self._state_sent: tuple[int, ...] | None = None
         self._state_at = 0.0
         self.taken = ""  # "taken over by pid P on H": another controller holds the mesh
 
@@ -117,13 +117,14 @@ class Keep:
         self._state_at = now
         budgets = self.policy.budgets()
         key = (len(self.calls.setup_cells), len(self.ranks.events), self.ranks.generation,
-               sum(len(d) for d in budgets["deaths"]))
+               sum(len(d) for d in budgets["deaths"]), len(self.ranks.group))
         if key == self._state_sent:
             return None
         self._state_sent = key
         state = {"setup": list(self.calls.setup_cells),
                  "events": [e.as_dict() for e in self.ranks.events[-MAX_EVENTS_KEPT:]],
-                 "generation": self.ranks.generation, "budgets": budgets}
+                 "generation": self.ranks.generation, "budgets": budgets,
+                 "group": list(self.ranks.group)}
         return json.loads(json.dumps(state, default=str))  # plain JSON, as it travels
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -138,8 +139,11 @@ class Keep:
         if isinstance(budgets, dict):
             self.policy.restore_budgets(budgets)
         generation = state.get("generation")
+        group = state.get("group")
+        members = (tuple(r for r in group if isinstance(r, int) and 0 <= r < len(self.ranks))
+                   if isinstance(group, list) else None)  # a shrunk mesh stays shrunk
         if isinstance(generation, int) and generation > self.ranks.generation:
-            self.ranks.reformed(generation)
+            self.ranks.reformed(generation, members or None)
 
     # -- attach -----------------------------------------------------------------------------
     def on_hello(self, rank: int, meta: dict[str, Any]) -> None:

@@ -198,8 +198,15 @@ class HostAgent:
                 self._end_door()
                 raise UsageError(msg["text"])
         self._end_door()
+        tail = ""
+        if door.local:  # its log is here: say what it said
+            try:
+                with open(os.path.join(door.log_hint, "agent.log"), "rb") as f:
+                    tail = f.read()[-600:].decode("utf-8", "replace").strip()
+            except OSError:
+                pass
         raise UsageError(f"the agent of kept mesh {door.name!r} did not answer "
-                         f"(see its log in {door.log_hint})")
+                         f"(see its log in {door.log_hint})" + (f":\n{tail}" if tail else ""))
 
     def _end_door(self) -> None:
         assert self.popen is not None

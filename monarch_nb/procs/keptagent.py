@@ -46,7 +46,7 @@ from typing import Any
 
 from . import agentwire, keptfiles
 
-HANDSHAKE_S = 10.0  # an attach must answer its challenge within this
+HANDSHAKE_S = 30.0  # an attach must answer its challenge within this (a loaded machine)
 DOOR_WAIT_S = 15.0  # the door waits this long for a new agent's socket
 
 
