@@ -715,7 +715,9 @@ class Mesh(_RankSet):
         except KeyboardInterrupt:
             if ctl.keep is not None and _kernel_shutting_down(SHUTDOWN_GRACE_S):
                 # "Restart Kernel" interrupts the kernel before it asks it to
-                # shut down: a kept mesh's cell goes on on the ranks
+                # shut down: a kept mesh's cell goes on on the ranks, and what
+                # it returns is the next controller's (nobody here reads it)
+                ctl.keep.leaving = True
                 raise
             if issued:  # interrupt this call, never some other one
                 where = self._interrupt_and_settle(issued[0])
@@ -750,6 +752,7 @@ class Mesh(_RankSet):
                 raise concurrent.futures.TimeoutError(f"call still running after {timeout} s")
         except KeyboardInterrupt:
             if self._ctl.keep is not None and _kernel_shutting_down(SHUTDOWN_GRACE_S):
+                self._ctl.keep.leaving = True
                 raise  # a kernel restart, not the user's interrupt (see _call)
             where = self._interrupt_and_settle(future)
             _warn_collective(where)

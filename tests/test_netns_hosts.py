@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[Hosts]:
     # controller, host A, host B, spare host C; host D (lost without a spare)
-    with netns_hosts(5) as h:
+    # and host E (lost without a spare, the group shrinking): each test loses its own
+    with netns_hosts(6) as h:
         yield h
 
 
@@ -301,7 +302,7 @@ def test_a_lost_host_without_a_spare_shrinks_the_group_with_min_ranks(hosts: Hos
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(SHRINK_DRIVER))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    a, d = hosts.names[1], hosts.names[4]
+    a, d = hosts.names[1], hosts.names[5]  # (the elastic test above lost names[4])
     proc = subprocess.Popen(
         ["ip", "netns", "exec", hosts.names[0], sys.executable, str(driver), f"{a},{d}",
          hosts.addrs[1], hosts.addrs[0]],

@@ -84,6 +84,9 @@ class Keep:
         self._state_sent: tuple[int, ...] | None = None
         self._state_at = 0.0
         self.taken = ""  # "taken over by pid P on H": another controller holds the mesh
+        # this process is ending (a kernel restart): the ranks keep every result
+        # from now on, whoever receives it here, for the next controller
+        self.leaving = False
 
     @property
     def first_call_id(self) -> int:
@@ -98,7 +101,8 @@ class Keep:
         meta: dict[str, Any] = {"ep": self.epoch, "cp": os.getpid()}
         if self.expect - set(self.hellos):
             meta["hi"] = True
-        if not self.expect:  # (before the adoption nothing may be let go)
+        if not self.expect and not self.leaving:  # (before the adoption, or while
+            # this process ends, nothing may be let go: the next controller takes it)
             low = self.calls.low()
             meta["low"] = low
             done = [c for c in self.calls.finished_ids if c >= low]
