@@ -73,17 +73,25 @@ def notebook(cells: list[str]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def jupyter_lab(tmp_path: pathlib.Path, name: str, cells: list[str],
-                env_extra: dict[str, str] | None = None) -> Iterator[tuple[str, str]]:
+                env_extra: dict[str, str] | None = None,
+                settings: dict[str, dict[str, Any]] | None = None) -> Iterator[tuple[str, str]]:
     """A JupyterLab server on localhost serving one notebook ``name`` made of
-    ``cells``, without user settings or workspaces; yields (url, token) and
-    stops the server (the kernel goes with it; its ranks with the kernel)."""
+    ``cells``, without workspaces and without user settings but ``settings``
+    (plugin id -> its values, as Settings > Settings Editor would save them);
+    yields (url, token) and stops the server (the kernel goes with it; its
+    ranks with the kernel)."""
     root = tmp_path / "nb"
     root.mkdir()
     (root / name).write_text(json.dumps(notebook(cells)))
     token = secrets.token_hex(16)
     env = dict(os.environ)
-    for var in ("JUPYTER_CONFIG_DIR", "JUPYTER_RUNTIME_DIR"):
+    for var in ("JUPYTER_CONFIG_DIR", "JUPYTER_RUNTIME_DIR", "JUPYTERLAB_SETTINGS_DIR"):
         env[var] = str(tmp_path / var.lower())
+    for plugin, values in (settings or {}).items():
+        package, _, part = plugin.partition(":")
+        path = tmp_path / "jupyterlab_settings_dir" / package / f"{part}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env.update(env_extra or {})
     log_path = tmp_path / "lab.log"

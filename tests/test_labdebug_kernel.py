@@ -160,6 +160,47 @@ def test_gutter_breakpoint_stops_rank_1_and_the_panel_reads_it(ks: KernelSession
     assert ks.run(CELL, timeout=90).status == "ok"
 
 
+def test_continue_as_jupyterlab_sends_it(ks: KernelSession) -> None:
+    """JupyterLab 4's continue button (DebuggerService.continue) drops the
+    thread it shows stopped from its model *before* it sends the request,
+    which then names the first thread left, else thread 1: the kernel's main
+    thread, which the kernel's debugpy has not stopped (forwarded there, the
+    request is never answered and the control channel waits behind it). With
+    ranks 0 and 1 debugged and both stopped, each press continues the rank
+    shown (the last announced), and the other is shown next."""
+    assert ks.run("%monarch debugger --ranks 0,1").status == "ok"
+    cell = ("%%monarch\n"
+            "v = rank + 100\n"
+            "w = v * 2\n"
+            "print('rank', rank, 'w', w)\n")
+    path = _gutter_breakpoint(ks, cell, [3])
+    seen = len(ks.debug_events)
+    msg_id = ks.execute(cell)
+    threads = {BASE + 0, BASE + 3}  # ranks 0 and 1
+    for tid in threads:
+        _stopped(ks, seen, threadId=tid)
+    shown = [e["body"]["threadId"] for e in ks.debug_events[seen:] if e["event"] == "stopped"][-1]
+    other = (threads - {shown}).pop()
+    # the first press: JupyterLab's model held only the thread shown, so thread 1
+    seen = len(ks.debug_events)
+    reply = ks.dap("continue", {"threadId": 1}, timeout=30)
+    assert reply["success"], reply
+    ks.debug_event(lambda e: e["event"] == "continued" and e["body"]["threadId"] == shown,
+                   after=seen)
+    _stopped(ks, seen, threadId=other)  # shown again: JupyterLab shows the last stopped thread
+    assert ks.dap("debugInfo")["body"]["stoppedThreads"] == [other]
+    # the second press: the same request; the other rank runs on
+    seen = len(ks.debug_events)
+    assert ks.dap("continue", {"threadId": 1}, timeout=30)["success"]
+    ks.debug_event(lambda e: e["event"] == "continued" and e["body"]["threadId"] == other,
+                   after=seen)
+    r = ks.collect(msg_id, timeout=90)
+    assert r.status == "ok", r
+    assert "[0] rank 0 w 200" in r.stdout and "[1] rank 1 w 202" in r.stdout, r.stdout
+    ks.dap("setBreakpoints", {"breakpoints": [], "source": {"path": path}, "sourceModified": False})
+    assert ks.run("%monarch debugger --ranks 1").status == "ok"
+
+
 def test_breakpoint_in_a_function_an_earlier_cell_defined(ks: KernelSession) -> None:
     define = ("%%monarch --ranks 1\n"
               "def helper(a):\n"

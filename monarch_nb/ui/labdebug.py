@@ -21,7 +21,10 @@ debugger, unchanged. With no mesh debugged, only ``dumpCell``,
   ``rank 1 (dead)`` (its last Python stack from its log, no locals). A
   stop is a ``stopped`` event, its end ``continued``; when one rank
   continues and another still stands stopped, that one is shown again
-  (JupyterLab shows the last stopped thread).
+  (JupyterLab shows the last stopped thread). A step naming a thread of
+  the kernel that the kernel's debugger has not stopped acts on the rank's
+  thread shown: JupyterLab's *continue* names thread 1
+  (:meth:`LabDebugger._shown_instead`).
 * Ids: dapmap.py makes the ranks' numbers the kernel's.
 
 Requests are answered on the kernel's control thread (an asyncio loop): a
@@ -63,6 +66,7 @@ class LabDebugger:
         self.mesh_paths: set[str] = set()  # dumpCell said: a %%monarch cell
         self.breakpoints: dict[str, list[dict[str, Any]]] = {}  # path -> as JupyterLab set them
         self.shown: dict[int, dict[str, Any]] = {}  # a rank's thread shown stopped -> what it is
+        self.current: int | None = None  # the rank's thread last announced stopped, until it continues
         self.raw_cell = ""  # the text of the cell running now (pre_run_cell)
         self._cells: list[tuple[str, str, str]] = []  # (name, raw, body), not paired yet
         self._lock = threading.Lock()  # ids and shown: the control thread and the I/O leader
@@ -146,6 +150,8 @@ class LabDebugger:
             return self._threads
         if cmd in ("stackTrace", *STEP_COMMANDS) and self.ids.thread_of(args.get("threadId")):
             return getattr(self, "_rank_" + cmd) if cmd == "stackTrace" else self._rank_step
+        if cmd in STEP_COMMANDS and self._shown_instead(args.get("threadId")) is not None:
+            return self._step_shown
         if cmd == "pause" and self.handle is not None and (
                 self.ids.thread_of(args.get("threadId")) or self._busy_ranks()):
             return self._pause
@@ -214,6 +220,7 @@ class LabDebugger:
                 handle.request(rank, "continue")
         with self._lock:
             self.shown.clear()
+            self.current = None
         return reply
 
     async def _threads(self, msg: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
@@ -288,6 +295,25 @@ class LabDebugger:
         await self._ask(rank, kind, cmd, {})
         return _reply(msg, True, allThreadsContinued=False)
 
+    def _shown_instead(self, thread_id: Any) -> int | None:
+        """The rank's thread a step naming a thread of the kernel means: the
+        one JupyterLab shows stopped, when the kernel's debugger has not
+        stopped ``thread_id``. JupyterLab 4's *continue* drops the thread it
+        shows from its model before it sends the request, which then names
+        the first thread left, else thread 1 (the kernel's main thread);
+        debugpy answers a continue only once a thread resumes, so forwarded,
+        it would hold the kernel's control channel for good."""
+        if self.current is None or thread_id in _kernel_stopped(self.kernel):
+            return None
+        return self.current
+
+    async def _step_shown(self, msg: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+        tid = self._shown_instead(args.get("threadId"))
+        if tid is None:  # it ran on meanwhile: the kernel's request after all
+            return await self._inner(msg)
+        args = {**args, "threadId": tid}
+        return await self._rank_step({**msg, "arguments": args}, args)
+
     async def _pause(self, msg: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
         which = self.ids.thread_of(args.get("threadId"))
         # a thread of the kernel while the debugged ranks run the cell: the
@@ -352,6 +378,11 @@ class LabDebugger:
                                       "text": text, "allThreadsStopped": False})
 
     def _publish(self, event: str, body: dict[str, Any]) -> None:
+        with self._lock:
+            if event == "stopped":
+                self.current = body["threadId"]
+            elif event == "continued" and body["threadId"] == self.current:
+                self.current = None
         self.kernel._publish_debug_event({"seq": next(self._seq), "type": "event",
                                           "event": event, "body": body})
 
@@ -369,6 +400,11 @@ def _thread(thread_id: Any) -> tuple[int, str]:
     if which is None:
         raise ValueError(f"thread {thread_id!r} is not a rank's")
     return which
+
+
+def _kernel_stopped(kernel: Any) -> set[int]:
+    """The threads the kernel's own debugger (ipykernel's, over debugpy) has stopped."""
+    return set(getattr(getattr(kernel, "debugger", None), "stopped_threads", None) or ())
 
 
 def _is_cell_file(path: str) -> bool:
