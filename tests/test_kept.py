@@ -307,7 +307,8 @@ def test_kernel_killed_with_training_cell_in_flight(runtime: str) -> None:
         assert second.run("%load_ext monarch_nb").status == "ok"
         r = second.run("%monarch attach nb1", timeout=60)
         assert r.status == "ok" and "attached to kept mesh 'nb1'" in r.text, r
-        assert "from the last kernel: cell In [" in r.text and "running on ranks 0,1" in r.text, r
+        # (running, or finished already on a loaded machine: either way it is the new kernel's)
+        assert "from the last kernel: cell In [" in r.text and "on ranks 0,1" in r.text, r
         r = second.run("%monarch wait", timeout=60)
         assert r.status == "ok" and "epoch done" in r.text, r
         r = second.run("%%monarch\nimport os\nos.getpid()")
