@@ -229,7 +229,7 @@ def test_write_secret_file_from_several_threads_at_once(tmp_path, monkeypatch):
     def write(data: bytes) -> None:
         try:
             config.write_secret_file(str(path), data)
-        except BaseException as exc:  # noqa: BLE001  (said by the assert below)
+        except BaseException as exc:  # said by the assert below
             errors.append(exc)
 
     threads = [threading.Thread(target=write, args=(d,)) for d in (b"one", b"two")]
