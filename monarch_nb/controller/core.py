@@ -524,9 +524,13 @@ class Controller:
 
     # -- a kept mesh (controller/keep.py) -----------------------------------------------------
     @classmethod
-    def attach(cls, name: str, force: bool = False) -> Controller:
+    def attach(cls, name: str, force: bool = False,
+               launcher: AgentLauncher | None = None) -> Controller:
         """A new controller for kept mesh ``name``: its ranks, its calls in
-        flight, its state (see :meth:`resume`)."""
+        flight, its state (see :meth:`resume`). ``launcher``: the hosts'
+        agents of a mesh started with a Launcher object (its record names
+        no launcher to rebuild): the same kind, over the same hosts
+        (benchmarks/simkept.py attaches to simulated hosts this way)."""
         record = keptfiles.read_record(name)
         status = keptfiles.read_status(name)
         if not keptfiles.agent_alive(status):
@@ -537,12 +541,12 @@ class Controller:
         cfg = MeshConfig.from_dict(record.config)
         backend = BackendInfo(**{**record.backend,
                                  "devices": tuple(record.backend.get("devices", ()))})
-        launcher = None
-        if cfg.launcher != "local":  # across hosts: the same hosts' agents, through their doors
+        hosts: Launcher | None = launcher
+        if hosts is None and cfg.launcher != "local":  # across hosts: the same hosts' agents
             from ..procs.agents import from_config
 
-            launcher, _ = from_config(cfg, record.world_size)
-        ctl = cls(cfg, backend, record.world_size, launcher, record=record, force=force)
+            hosts, _ = from_config(cfg, record.world_size)
+        ctl = cls(cfg, backend, record.world_size, hosts, record=record, force=force)
         try:
             ctl.resume()
         except BaseException:
