@@ -72,6 +72,7 @@ from monarch_nb.procs.launchers import Placement  # noqa: E402
 from monarch_nb.wire.protocol import Kind  # noqa: E402
 
 TICK_S = 0.2  # as hostagent.py: states and heartbeat to the controller
+DOOR_MS = "SIMKEPT_DOOR_MS"  # SimKeptHosts.door_ms, to the host processes
 MAX_RESULTS = 32  # as engine/kept.py
 
 
@@ -98,6 +99,9 @@ class SimKeptHosts:
     agents: int
     per_agent: int = 8
     processes: int = 4
+    # what a real door waits for before its agent's challenge, simulated:
+    # ssh's connection and the door interpreter's start on the host
+    door_ms: float = 0.0
     name: str = "simkept"
     remote: bool = True
     kept: tuple[str, float] | None = None  # set by the controller (a kept mesh)
@@ -132,7 +136,7 @@ class SimKeptHosts:
         returns once every agent's door listens."""
         self.folder = tempfile.mkdtemp(prefix="simkept-")
         self._door = door_client(self.folder)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        env = {**os.environ, DOOR_MS: f"{self.door_ms:g}", "PYTHONPATH": os.pathsep.join(
             p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
         for i in range(min(self.processes, self.agents)):
             names = self.nodes[i::self.processes]
@@ -211,6 +215,8 @@ class KeptHost(Host):
         self.conns: dict[int, Conn] = {}  # connection fd -> its state
         self.kept: dict[SimRank, Kept] = {}
         self.next_tick = time.monotonic()
+        self.door_s = float(os.environ.get(DOOR_MS) or 0) / 1e3
+        self.challenges: list[tuple[float, Conn]] = []  # (when, to whom): a door's latency
         for name in names:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             path = os.path.join(folder, f"{name}.sock")
@@ -287,7 +293,10 @@ class KeptHost(Host):
                 if agent.key is None:  # a new mesh: as a new daemon gets its key
                     agent.key = bytes.fromhex(msg["key"])
                 conn.phase, conn.nonce = "challenge", secrets.token_hex(16)
-                self.send(conn, "challenge", nonce=conn.nonce)
+                if self.door_s > 0:
+                    self.challenges.append((time.monotonic() + self.door_s, conn))
+                else:
+                    self.send(conn, "challenge", nonce=conn.nonce)
             return
         if conn.phase == "challenge":  # as keptagent.Door._admit
             assert agent.key is not None
@@ -380,7 +389,8 @@ class KeptHost(Host):
     def serve(self) -> None:
         next_sweep = time.monotonic() + SWEEP_S
         while True:
-            timeout = max(0.0, next_sweep - time.monotonic())
+            due = min([next_sweep, *(when for when, _ in self.challenges)])
+            timeout = max(0.0, due - time.monotonic())
             for fd, _ in self.epoll.poll(timeout + 0.001):
                 if fd == self.stdin:
                     if not self.read_specs():
@@ -405,6 +415,11 @@ class KeptHost(Host):
             if not self.doors:
                 return  # every agent was stopped
             now = time.monotonic()
+            if self.challenges:
+                for when, conn in [c for c in self.challenges if c[0] <= now]:
+                    self.challenges.remove((when, conn))
+                    if conn.sock.fileno() in self.conns:
+                        self.send(conn, "challenge", nonce=conn.nonce)
             if now >= next_sweep:
                 next_sweep = now + SWEEP_S
                 self.sweep(now)
