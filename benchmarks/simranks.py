@@ -396,7 +396,12 @@ class Host:
             return True
         outbox = self.agents[name][1]
         outbox.append(self.folders[name].make(idents, msg.call, None))
+        self.answered(ranks, msg.call)  # type: ignore[arg-type]
         return True
+
+    def answered(self, ranks: list[SimRank], call: int) -> None:
+        """``ranks`` sent the RESULT of ``call`` (a kept mesh's ranks keep
+        it: benchmarks/simkept.py)."""
 
     def flush(self) -> None:
         """Each agent's answers of this turn, up as one batch, its ranks'
@@ -502,6 +507,7 @@ class Host:
         if kind is Kind.CALL:
             # A real rank's RESULT for a no-op returning None: one frame, no meta.
             rank.send_main(Kind.RESULT, call=msg.call)
+            self.answered([rank], msg.call)
         elif kind is Kind.EXEC:
             rank.send_main(Kind.RESULT, rank.value, call=msg.call)
         elif kind is Kind.PING:

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import stat
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -477,8 +478,11 @@ def write_key_file(path: str, key: bytes) -> None:
 
 def write_secret_file(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (a reader sees the old or the
-    new content, never half) with mode 0600 from the first byte."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    new content, never half) with mode 0600 from the first byte. Safe
+    from several threads at once: each write has its own temporary file (a
+    kept agent's threads write its status file at the same moment, and a
+    shared name made one of them fail, which ended the agent)."""
+    tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.write(fd, data)

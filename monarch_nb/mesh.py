@@ -373,20 +373,24 @@ class Mesh(_RankSet):
 
     # -- kept meshes (docs/kept-meshes.md) ----------------------------------------------------
     @classmethod
-    def attach(cls, name: str, force: bool = False) -> Mesh:
+    def attach(cls, name: str, force: bool = False, *,
+               launcher: agents.AgentLauncher | None = None) -> Mesh:
         """Take over kept mesh ``name`` (started with ``name=`` and
         ``keep_alive=`` by any process of yours on this machine): the same
         rank processes, with their variables and group; supervision resumes
         at once. Calls that ran while nobody was attached come back as
         :meth:`pending` futures. Refused while another controller is
         attached, naming it; ``force=True`` takes over (that controller's
-        next call says so)."""
+        next call says so). ``launcher``: for a mesh started with a
+        Launcher object, an :class:`~monarch_nb.procs.agents.AgentLauncher`
+        of the same kind over the same hosts (its record names no launcher
+        to rebuild)."""
         if not isinstance(name, str):
             raise UsageError(f"attach() needs the kept mesh's name, got {name!r}")
         for mesh in list(_live_meshes):
             if mesh.running and mesh.config.name == name:
                 return mesh  # this process holds it already
-        return cls._keep(Controller.attach(name, force=force))
+        return cls._keep(Controller.attach(name, force=force, launcher=launcher))
 
     def detach(self) -> None:
         """Let this kept mesh go without stopping it: its ranks and the calls

@@ -528,3 +528,34 @@ def test_a_call_waiting_for_a_backoff_goes_out_when_the_host_is_lost(two_hosts: 
         assert [(r["state"], r["lost_host"]) for r in mesh.status()[2:]] == [("lost", "hB")] * 2
     finally:
         mesh.stop()
+
+
+def test_open_all_opens_every_door_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At attach every host's door is opened side by side: 128 doors that
+    each take 0.3 s (ssh, the door's interpreter) cost one door's time, not
+    one per round of a smaller pool. No process: HostAgent is a stand-in."""
+    import threading
+
+    from monarch_nb.procs import agents as agents_mod
+
+    at_once = [0, 0]  # now, most
+    lock = threading.Lock()
+
+    class SlowDoor:
+        def __init__(self, host: str, *args: Any) -> None:
+            with lock:
+                at_once[0] += 1
+                at_once[1] = max(at_once[1], at_once[0])
+            time.sleep(0.3)
+            with lock:
+                at_once[0] -= 1
+            self.host, self.lost = host, ""
+
+    monkeypatch.setattr(agents_mod, "HostAgent", SlowDoor)
+    hosts = [f"h{i}" for i in range(128)]
+    launcher = agents_mod.AgentLauncher(
+        agents_mod.SshLauncher(nodes=list(hosts), per_node=1, master="h0"))
+    launcher._closed = True  # (no watcher pinging the stand-ins)
+    opened = launcher.open_all(hosts, "/nonexistent")
+    assert [a.host for a in opened] == hosts
+    assert at_once[1] == 128

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
+import threading
 
 import pytest
 
@@ -208,6 +209,37 @@ def test_write_key_file_replaces_a_readable_file(tmp_path):
 def test_write_key_file_leaves_no_temporary_file(tmp_path):
     write_key_file(str(tmp_path / "k"), KEY)
     assert [p.name for p in tmp_path.iterdir()] == ["k"]
+
+
+def test_write_secret_file_from_several_threads_at_once(tmp_path, monkeypatch):
+    """Threads of one process writing the same file at the same moment (a
+    kept agent's status: its admitting thread and its main thread) each
+    write whole: none fails on the other's temporary file."""
+    path = tmp_path / "status.json"
+    inside = threading.Barrier(2, timeout=5)
+    real_write = os.write
+
+    def both_inside(fd, data):  # both temporary files exist before either is written
+        inside.wait()
+        return real_write(fd, data)
+
+    monkeypatch.setattr(config.os, "write", both_inside)
+    errors: list[BaseException] = []
+
+    def write(data: bytes) -> None:
+        try:
+            config.write_secret_file(str(path), data)
+        except BaseException as exc:  # said by the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(d,)) for d in (b"one", b"two")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert errors == []
+    assert path.read_bytes() in (b"one", b"two")
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]
 
 
 def test_write_key_file_is_0600_from_the_first_byte_and_atomic(tmp_path, monkeypatch):

@@ -349,6 +349,34 @@ def test_budgets_travel() -> None:
     assert new.deaths == [[], [10.0, 11.5]]
     new.restore_budgets({"deaths": [[1.0]]})  # another mesh's size: left out
     assert new.deaths == [[], [10.0, 11.5]]
+def test_attach_asks_again_only_the_ranks_not_heard() -> None:
+    """At attach, the epoch's first PING asks every rank for HELLO; a rank
+    not heard is asked again alone (``hello_meta`` to it): the regular PING
+    asks nobody, so the ranks that answered are not asked each round."""
+    from monarch_nb.controller.calls.calltable import CallTable
+    from monarch_nb.controller.keep import Keep
+    from monarch_nb.controller.life.policy import RestartPolicy
+    from monarch_nb.controller.life.ranktable import RankTable
+
+    ranks = RankTable(4)
+    keep = Keep("k", 7, CallTable(first_id=7 << 32), ranks, lambda call: None,
+                RestartPolicy(ranks))
+    keep.on_hello(2, {"kept": []})  # early (its process was adopted just after)
+    for rank in range(4):
+        keep.expecting(rank)
+    assert keep.unheard() == {0, 1, 3}
+    assert "hi" not in keep.ping_meta() and keep.ping_meta()["ep"] == 7
+    assert keep.hello_meta()["hi"] is True and keep.hello_meta()["ep"] == 7
+    keep.on_hello(0, {"kept": []})
+    keep.on_hello(3, {"kept": [5]})
+    assert keep.wait_hellos(0.01) == {1}
+    keep.on_hello(1, {"kept": [], "running": 9})
+    assert keep.wait_hellos(5.0) == set() and keep.unheard() == set()
+    keep.adopt()
+    assert sorted(f.call_id for f in keep.pending()) == [5, 9]
+    assert "low" in keep.ping_meta()  # adopted: the ranks may let go of what is done
+
+
 def test_kernel_restarted_by_its_manager(runtime: str) -> None:
     """"Restart Kernel" with a training cell in flight: the kernel manager
     asks the kernel to shut down (and kills it if it does not in time); the

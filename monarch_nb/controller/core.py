@@ -61,7 +61,7 @@ from .calls.calltable import CallTable, PendingCall
 from .calls.dataplane import DataPlane
 from .calls.output import CallOutput
 from .inspector import Inspector
-from .keep import HELLO_WAIT_S, Keep, new_epoch
+from .keep import HELLO_AGAIN_S, HELLO_WAIT_S, Keep, new_epoch
 from .life.events import Event, EventKind
 from .life.policy import RestartPolicy
 from .life.rankstates import GONE, LIVE, ON_ITS_WAY, RankState
@@ -524,9 +524,13 @@ class Controller:
 
     # -- a kept mesh (controller/keep.py) -----------------------------------------------------
     @classmethod
-    def attach(cls, name: str, force: bool = False) -> Controller:
+    def attach(cls, name: str, force: bool = False,
+               launcher: AgentLauncher | None = None) -> Controller:
         """A new controller for kept mesh ``name``: its ranks, its calls in
-        flight, its state (see :meth:`resume`)."""
+        flight, its state (see :meth:`resume`). ``launcher``: the hosts'
+        agents of a mesh started with a Launcher object (its record names
+        no launcher to rebuild): the same kind, over the same hosts
+        (benchmarks/simkept.py attaches to simulated hosts this way)."""
         record = keptfiles.read_record(name)
         status = keptfiles.read_status(name)
         if not keptfiles.agent_alive(status):
@@ -537,12 +541,12 @@ class Controller:
         cfg = MeshConfig.from_dict(record.config)
         backend = BackendInfo(**{**record.backend,
                                  "devices": tuple(record.backend.get("devices", ()))})
-        launcher = None
-        if cfg.launcher != "local":  # across hosts: the same hosts' agents, through their doors
+        hosts: Launcher | None = launcher
+        if hosts is None and cfg.launcher != "local":  # across hosts: the same hosts' agents
             from ..procs.agents import from_config
 
-            launcher, _ = from_config(cfg, record.world_size)
-        ctl = cls(cfg, backend, record.world_size, launcher, record=record, force=force)
+            hosts, _ = from_config(cfg, record.world_size)
+        ctl = cls(cfg, backend, record.world_size, hosts, record=record, force=force)
         try:
             ctl.resume()
         except BaseException:
@@ -575,6 +579,9 @@ class Controller:
                         agent.route(f"{child['ident']}.{channel}".encode(),
                                     agent.relay_id.encode())
         self.io.bind_kept()  # admitted: the port is ours now
+        # no tick's PING before take() below: until adopted, the table's
+        # identities are nobody's (at 1,024 ranks that PING cost 40-120 ms)
+        self._last_ping = time.monotonic()
         self.io.start()
         keep.restore(state)
         # the group's port: new processes join through a re-formation anyway
@@ -615,18 +622,22 @@ class Controller:
                 gone = set(self.io.unreachable([self.ranks[r].main_id for r in unseen], probe))
                 unseen.intersection_update([r for r in unseen
                                             if self.ranks[r].main_id in gone])
-                if keep.expect - set(keep.hellos):
-                    self._ping(time.monotonic())
+                unheard = keep.unheard()
+                if unheard:  # asked again, they alone (the others said HELLO already)
+                    self.io.send_many([self.ranks[r].ctl_id for r in unheard],
+                                      self.codec.sign(Kind.PING, meta=keep.hello_meta()))
             finally:
                 looked.set()
 
         while True:
+            # the epoch's PING (or the last ask) has had its answers' time
+            # first: asking at once asked every rank twice
+            missing = keep.wait_hellos(HELLO_AGAIN_S)
+            if (not missing and not unseen) or time.monotonic() > deadline:
+                break
             looked.clear()
             self.io.call_soon(look)
             looked.wait(1.0)
-            missing = keep.wait_hellos(0.02)
-            if (not missing and not unseen) or time.monotonic() > deadline:
-                break
         missing |= unseen
         for rank in sorted(missing):
             log.warning("monarch_nb: rank %d did not answer the attach", rank)
@@ -655,7 +666,7 @@ class Controller:
         self.ranks.move(rank, RankState.READY)
         if proc.popen.poll() is None:
             assert self.keep is not None
-            self.keep.expect.add(rank)
+            self.keep.expecting(rank)
         if proc.pidfd is not None:
             def ended() -> None:
                 self.recovery.on_exit(rank, proc)

@@ -46,6 +46,9 @@ from .life.rankstates import RankState
 from .life.ranktable import RankTable
 
 HELLO_WAIT_S = 3.0  # at attach: live ranks that have not said HELLO by then are left out
+# at attach: a live rank not heard this long after a PING is asked again (its
+# socket or its agent's relay reconnects within ZeroMQ's 0.1 s reconnect interval)
+HELLO_AGAIN_S = 0.1
 RESEND_PINGS = 3  # pings that ask for what was kept (a rank answers the first it reads)
 STATE_EVERY_S = 0.4  # (checked at each PING: a change is with the agent within ~0.5 s)
 MAX_EVENTS_KEPT = 2000  # the newest events handed to the next controller
@@ -74,6 +77,10 @@ class Keep:
         self.calls, self.ranks, self._interrupt = calls, ranks, interrupt
         self.expect: set[int] = set()  # live ranks whose HELLO the attach waits for
         self.hellos: dict[int, dict[str, Any]] = {}
+        # expect less hellos, kept as each HELLO comes: one set operation per
+        # HELLO (comparing the whole sets on each was O(N) per HELLO, O(N^2)
+        # for an attach: 1,024 ranks said HELLO several times each)
+        self._unheard: set[int] = set()
         self.adopted: list[MeshFuture] = []
         self.adopted_what: dict[int, str] = {}  # call id -> what the ranks said it is
         # what the adopted calls printed, kept for whoever waits for them
@@ -99,8 +106,6 @@ class Keep:
     # -- every PING -----------------------------------------------------------------
     def ping_meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"ep": self.epoch, "cp": os.getpid()}
-        if self.expect - set(self.hellos):
-            meta["hi"] = True
         if not self.expect and not self.leaving:  # (before the adoption, or while
             # this process ends, nothing may be let go: the next controller takes it)
             low = self.calls.low()
@@ -150,17 +155,38 @@ class Keep:
             self.ranks.reformed(generation, members or None)
 
     # -- attach -----------------------------------------------------------------------------
+    def expecting(self, rank: int) -> None:
+        """``rank`` runs: the attach waits for its HELLO."""
+        self.expect.add(rank)
+        if rank not in self.hellos:
+            self._unheard.add(rank)
+            self._heard_all.clear()
+        elif not self._unheard:
+            self._heard_all.set()
+
     def on_hello(self, rank: int, meta: dict[str, Any]) -> None:
         self.hellos[rank] = dict(meta)
-        if self.expect <= set(self.hellos):
+        self._unheard.discard(rank)
+        if not self._unheard:
             self._heard_all.set()
+
+    def unheard(self) -> set[int]:
+        """The live ranks that have not said HELLO yet."""
+        return set(self._unheard)
+
+    def hello_meta(self) -> dict[str, Any]:
+        """A PING that asks for HELLO again, for the ranks not heard yet
+        (the first PING of an epoch asks every rank; one whose agent was not
+        back yet missed it). Only to them: asking all of them again made
+        every rank answer each round of the attach's wait."""
+        return {"ep": self.epoch, "cp": os.getpid(), "hi": True}
 
     def wait_hellos(self, timeout: float = HELLO_WAIT_S) -> set[int]:
         """Wait until every live rank said HELLO; the ranks that did not."""
         if not self.expect:
             return set()
         self._heard_all.wait(timeout)
-        return self.expect - set(self.hellos)
+        return self.unheard()
 
     def adopt(self) -> None:
         """Each call a rank runs or kept a result of becomes this
@@ -193,6 +219,7 @@ class Keep:
             where = ("running on ranks " if busy else "finished on ranks ") + ",".join(map(str, ranks))
             self.adopted_what[call_id] = f"{describe(labels.get(call_id, ''))}, {where}"
         self.expect.clear()
+        self._unheard.clear()
         self._resend = RESEND_PINGS
 
     def _keeper(self, call_id: int) -> Callable[[str, str], None]:
@@ -214,4 +241,4 @@ class Keep:
         return taken
 
 
-__all__ = ["HELLO_WAIT_S", "Keep", "new_epoch"]
+__all__ = ["HELLO_AGAIN_S", "HELLO_WAIT_S", "Keep", "new_epoch"]

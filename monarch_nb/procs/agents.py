@@ -54,6 +54,11 @@ from .launchers import Launcher, Placement, SlurmLauncher, SshLauncher, _local_e
 LOST_CODE = 255  # what a rank of a lost host "exited" with (ssh's own code for a lost link)
 PING_S = 0.5  # the controller's line to each agent (its controller_timeout counts these)
 STARTED_TIMEOUT_S = 30.0  # an agent that does not answer a spawn this long is lost
+# doors opened at once at attach (AgentLauncher.open_all): each waits mostly for
+# its host (ssh's connection, the door's interpreter there), so a host more is
+# a thread more here, not a round more: with 32, 128 hosts took four rounds of
+# a door's latency (300 ms doors: 1.9 s of a 1,024-rank attach; benchmarks/kept.py)
+OPEN_AT_ONCE = 256
 
 
 class RemoteRank:
@@ -534,7 +539,7 @@ class AgentLauncher:
         slowest, not for their sum); a host that cannot be reached is lost."""
         import concurrent.futures
 
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(32, len(hosts)))) as pool:
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(OPEN_AT_ONCE, len(hosts)))) as pool:
             made = list(pool.map(lambda h: HostAgent(
                 h, self.inner.agent_command(h, self.controller_timeout),
                 _local_env(dict(os.environ)), os.path.join(log_dir, f"agent-{h}.log"),

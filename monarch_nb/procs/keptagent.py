@@ -70,6 +70,7 @@ class Door:
         self.holder: dict[str, Any] = {}
         self.detached_since: float | None = time.monotonic()  # the lease runs from here
         self._lock = threading.Lock()
+        self._status_lock = threading.Lock()
         self._closed = False
         path = keptfiles.socket_path(name)
         try:
@@ -195,10 +196,14 @@ class Door:
             self._status()
 
     def _status(self) -> None:
-        attached = dict(self.holder)
-        keptfiles.write_status(self.name, {
-            "agent_pid": self.agent_pid, "attached": attached,
-            "detached_since": None if attached else time.time()})
+        # one writer at a time: the admitting thread and the agent's (a
+        # detach) write it at the same moment, and the newest must land last
+        with self._status_lock:
+            with self._lock:
+                attached = dict(self.holder)
+            keptfiles.write_status(self.name, {
+                "agent_pid": self.agent_pid, "attached": attached,
+                "detached_since": None if attached else time.time()})
 
 
 def _held_by(name: str, holder: dict[str, Any]) -> str:
