@@ -128,6 +128,22 @@ def _owned_by(meshes: list[Mesh]) -> set[int]:
     return pids
 
 
+def _other_workers_kept_agent(pid: int) -> bool:
+    """``pid`` is a kept mesh's agent (procs/keptagent.py) that the other
+    pytest-xdist worker started: init adopted it, so its ranks' parent says
+    nothing of who started them; its environment does."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return False
+    try:
+        agent = psutil.Process(pid)
+        if "--serve-kept" not in agent.cmdline():
+            return False
+        return agent.environ().get("PYTEST_XDIST_WORKER", worker) != worker
+    except psutil.Error:
+        return False
+
+
 @pytest.fixture(autouse=True)
 def no_leftovers() -> Iterator[None]:
     """Each test checks for the rank processes it leaves behind: a rank this
@@ -147,20 +163,15 @@ def no_leftovers() -> Iterator[None]:
         # while the scan ran (it takes a while under load) is its mesh's by now
         owned = _owned_by(meshes)
         out = set()
-        worker = os.environ.get("PYTEST_XDIST_WORKER")
         for pid in found - owned:
             try:
-                proc = psutil.Process(pid)
-                parent = proc.ppid()
-                # Another test process's (pytest-xdist runs two): a kept mesh's
-                # ranks are children of its agent, which init adopted, so their
-                # parent says nothing of who started them; the environment does.
-                if worker and proc.environ().get("PYTEST_XDIST_WORKER", worker) != worker:
-                    continue
-            except psutil.Error:
+                parent = psutil.Process(pid).ppid()
+            except psutil.NoSuchProcess:
                 continue
             if parent != os.getpid() and parent != 1 and parent in alive_before:
                 continue  # a fixture's kernel or launcher, still in use
+            if _other_workers_kept_agent(parent):
+                continue  # a kept mesh's rank started by the other pytest-xdist worker
             out.add(pid)
         return out
 
