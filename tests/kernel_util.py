@@ -130,14 +130,19 @@ class KernelSession:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no such debug_event in {timeout} s; got {self.debug_events[after:]}")
-            try:
-                msg = self.kc.get_iopub_msg(timeout=min(left, 0.2))
-            except queue.Empty:
-                continue
-            if msg["msg_type"] == "debug_event":
-                self.debug_events.append(msg["content"])
-            else:
-                self._stash.append(msg)
+            self._read_iopub(min(left, 0.2))
+
+    def _read_iopub(self, timeout: float) -> None:
+        """One IOPub message, if one comes within ``timeout``: a debug_event
+        is kept in :attr:`debug_events`, anything else for :meth:`collect`."""
+        try:
+            msg = self.kc.get_iopub_msg(timeout=timeout)
+        except queue.Empty:
+            return
+        if msg["msg_type"] == "debug_event":
+            self.debug_events.append(msg["content"])
+        else:
+            self._stash.append(msg)
 
     def wait_output(self, msg_id: str, text: str, timeout: float = 60.0) -> None:
         """Read IOPub until cell ``msg_id`` printed ``text`` (what is read
@@ -148,14 +153,7 @@ class KernelSession:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"cell {msg_id} did not print {text!r} in {timeout} s")
-            try:
-                msg = self.kc.get_iopub_msg(timeout=min(left, 0.2))
-            except queue.Empty:
-                continue
-            if msg["msg_type"] == "debug_event":
-                self.debug_events.append(msg["content"])
-            else:
-                self._stash.append(msg)
+            self._read_iopub(min(left, 0.2))
 
     def reply_status(self, msg_id: str, deadline: float) -> str:
         """Status of ``msg_id``'s execute_reply, skipping replies to other
