@@ -25,6 +25,7 @@ import contextlib
 import os
 import pathlib
 import queue
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -182,6 +183,26 @@ def test_kernel_ended_while_busy_leaves_no_rank_and_no_key(
         assert isinstance(new_pids, list)
         wait_for(lambda: all(gone(p) for p in new_pids), timeout=ORPHAN_LIMIT_S,
                  what="the new mesh's ranks to end")
+
+
+@pytest.mark.kernel
+def test_a_kernel_sigtermed_while_busy_kills_its_ranks_and_removes_the_logs() -> None:
+    """The kernel manager's escalation: a kernel that did not finish its
+    shutdown in the manager's wait gets SIGTERM, which skips atexit. The
+    ranks and the log directory go anyway, and the kernel still dies of
+    the SIGTERM (its status says so)."""
+    with kernel() as ks:
+        info = start_mesh(ks, 2)
+        pids = info["pids"]
+        assert isinstance(pids, list)
+        _busy_cell(ks)
+        proc = ks.km.provisioner.process  # type: ignore[union-attr]
+        os.kill(ks.pid, signal.SIGTERM)
+        wait_for(lambda: proc.poll() is not None, timeout=ORPHAN_LIMIT_S, what="the kernel to end")
+        assert proc.poll() == -signal.SIGTERM
+        wait_for(lambda: all(gone(p) for p in pids), timeout=ORPHAN_LIMIT_S,
+                 what=f"ranks {pids} to end with the kernel")
+        assert not os.path.exists(str(info["log_dir"]))
 
 
 # -- isolation ------------------------------------------------------------------------------

@@ -595,6 +595,21 @@ class Supervisor:
             self.reap(rank)
         self.spawner.stop()  # after the children: its end is their parent-death signal
 
+    def kill_now(self) -> None:
+        """The controller is being killed (a kernel manager's SIGTERM after its
+        shutdown wait): the logs and every local rank, spare and their
+        children go now, without a grace. Safe from a signal handler: it
+        takes no lock the interrupted code may hold."""
+        self.closed = True
+        self.cleanup_logs()
+        leaders = [p.pid for p in self.history
+                   if p.popen.poll() is None and not isinstance(p.popen, RemoteRank)]
+        spare = self.spare
+        if spare is not None and spare.poll() is None:
+            leaders.append(spare.pid)
+        for pid in leaders:
+            kill_tree(pid)
+
     def cleanup_logs(self) -> None:
         import shutil
 
