@@ -39,6 +39,7 @@ Non-goals: the rank side (engine/dap_rank.py), the translation tables
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import os
 import threading
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 
 STEP_COMMANDS = ("continue", "next", "stepIn", "stepOut")
 MAX_UNMAPPED = 2000  # %%monarch cells kept for pairing with their paths later
+BREAKPOINTS_WAIT_S = 10.0  # for the ranks to take new breakpoints
 
 
 class LabDebugger:
@@ -106,7 +108,7 @@ class LabDebugger:
                          for n, lines in self.sources.to_ranks(cell.path, self._lines(cell.path))
                          if n == name]
                 for w in waits:
-                    w.result(10)  # before the cell: a breakpoint on its first lines counts
+                    w.result(BREAKPOINTS_WAIT_S)  # before the cell: a breakpoint on its first lines counts
         with self._lock:
             shown = list(self.shown.items())
             self.shown.clear()
@@ -177,26 +179,28 @@ class LabDebugger:
         bps = [b for b in args.get("breakpoints") or [] if isinstance(b.get("line"), int)]
         self.breakpoints[path] = bps
         if path in self.mesh_paths:  # a %%monarch cell: the ranks' alone
-            self._push(path)
+            await _taken(self._push(path))
             return _reply(msg, True, breakpoints=[{"verified": True, "line": b["line"],
                                                    "source": {"path": path}} for b in bps])
         reply = await self._inner(msg)
         if not _is_cell_file(path):  # a library's file: the ranks break there too
-            self._push(path)
+            await _taken(self._push(path))
         return reply
 
     def _lines(self, path: str) -> list[int]:
         return [int(b["line"]) for b in self.breakpoints.get(path, [])]
 
-    def _push(self, path: str) -> None:
+    def _push(self, path: str) -> list[concurrent.futures.Future[dict[str, Any]]]:
+        """Send ``path``'s breakpoints to the debugged ranks; done when they took them."""
         handle = self.handle
         if handle is None:
-            return
+            return []
         if path in self.mesh_paths:
-            for name, lines in self.sources.to_ranks(path, self._lines(path)):
-                handle.set_breakpoints(name, lines)
-        elif not _is_cell_file(path):
-            handle.set_breakpoints(path, self._lines(path))
+            return [handle.set_breakpoints(name, lines)
+                    for name, lines in self.sources.to_ranks(path, self._lines(path))]
+        if not _is_cell_file(path):
+            return [handle.set_breakpoints(path, self._lines(path))]
+        return []
 
     async def _debugInfo(self, msg: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
         reply = await self._inner(msg)
@@ -405,6 +409,19 @@ def _thread(thread_id: Any) -> tuple[int, str]:
 def _kernel_stopped(kernel: Any) -> set[int]:
     """The threads the kernel's own debugger (ipykernel's, over debugpy) has stopped."""
     return set(getattr(getattr(kernel, "debugger", None), "stopped_threads", None) or ())
+
+
+async def _taken(waits: list[concurrent.futures.Future[dict[str, Any]]]) -> None:
+    """Until the ranks took new breakpoints (at most BREAKPOINTS_WAIT_S): the
+    reply must not overtake them, or a cell run right after the click (its
+    call goes to the ranks on another socket) would run past a breakpoint
+    an earlier cell's function holds. A rank that does not answer in time
+    gets them later; the panel is not held for it."""
+    if waits:
+        done, _ = await asyncio.wait([asyncio.wrap_future(w) for w in waits],
+                                     timeout=BREAKPOINTS_WAIT_S)
+        for f in done:
+            f.exception()  # (a rank that is gone: told elsewhere, not an error of the click)
 
 
 def _is_cell_file(path: str) -> bool:
