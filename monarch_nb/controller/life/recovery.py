@@ -323,6 +323,7 @@ class Recovery:
         """Carry the policy's actions out, in order: its moves through the
         rank table's methods, the rest with processes, sockets and calls."""
         self._notes = []  # said after the ranks' own lines (a Shrink's)
+        restarted: dict[str, list[int]] = {}  # why -> the ranks a group restart restarts
         for action in actions:
             if isinstance(action, Move):
                 self.ranks.move(action.rank, action.to)
@@ -338,6 +339,8 @@ class Recovery:
                 self._shrink(action)
             elif isinstance(action, Kill):
                 self._kill(action.rank)
+                if action.reason:  # a script's group restart: one line for its ranks
+                    restarted.setdefault(action.reason, []).append(action.rank)
             elif isinstance(action, Respawn):
                 self.ranks.respawning(action.rank, action.incarnation, action.host)
             elif isinstance(action, Reform):
@@ -346,6 +349,10 @@ class Recovery:
                 self._replace_stuck(action.rank, action.incarnation)
             elif isinstance(action, StartSpare):
                 self.supervisor.start_spare()
+        for why, ranks in restarted.items():
+            self._announce(f"monarch_nb: {why}: restarting rank {format_ranks(ranks)} too "
+                           "(every rank runs the script again in a new process, as torchrun "
+                           "restarts its workers)")
         for note in self._notes:
             self._announce(note)
 
