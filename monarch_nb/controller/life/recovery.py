@@ -338,7 +338,7 @@ class Recovery:
             elif isinstance(action, Shrink):
                 self._shrink(action)
             elif isinstance(action, Kill):
-                self._kill(action.rank)
+                self._kill(action.rank, action.reason)
                 if action.reason:  # a script's group restart: one line for its ranks
                     restarted.setdefault(action.reason, []).append(action.rank)
             elif isinstance(action, Respawn):
@@ -356,17 +356,24 @@ class Recovery:
         for note in self._notes:
             self._announce(note)
 
-    def _kill(self, rank: int) -> None:
-        """Mode ``all`` or a user's restart: the process goes now (the
-        policy's Move DEAD follows); its exit is old news (the pidfd event
-        finds the rank without a process already)."""
+    def _kill(self, rank: int, reason: str = "") -> None:
+        """Mode ``all``, a user's restart, or a script's group restart
+        (``reason``: why): the process goes now (the policy's Move DEAD
+        follows); its exit is old news (the pidfd event finds the rank
+        without a process already)."""
         info = self.ranks[rank]
         proc = self.supervisor.procs.get(rank)
         if proc is None or info.state in GONE:
             return
         self.supervisor.kill_proc(proc)
         info.exitcode = -9
-        self.calls.fail(rank, self.died_error(info), coming_back=False)
+        # a group restart's call ends as the group changed, not as a crash of its own
+        error: MonarchError = (MembershipChanged(rank, (), f"restarted in a new process ({reason})")
+                               if reason else self.died_error(info))
+        if reason:
+            self.ranks.record(rank, EventKind.REPLACED,
+                              f"restarted in a new process with the group ({reason})")
+        self.calls.fail(rank, error, coming_back=False)
 
     def _give_up(self, action: GiveUp) -> None:
         rank = action.rank  # FAILED already: the policy's Move came first
