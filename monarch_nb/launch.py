@@ -4,10 +4,14 @@ The launching process is the single controller (what the notebook kernel is
 in notebook mode): it starts the mesh with the chosen launcher, runs the
 script on every rank (``monarch_nb.script.run_script``: ``__main__``,
 ``sys.argv`` set, the torch.distributed environment set and the group
-already formed) and supervises it exactly as a notebook would: a dead rank
-is respawned (``--respawn rank``) and runs the script again (with
-``mnb.incarnation() > 0``; ``mnb.elastic`` restores its training state from a
-live peer), survivors cut short in a collective by the death run it again too.
+already formed) and supervises it as a notebook would, with torchrun's restarts: a dead rank
+is respawned (``--respawn rank``) and every rank runs the script again in a
+new process (the policy's group restart: the new
+``TORCHELASTIC_RESTART_COUNT``, nothing of the earlier run left), except a
+rank in an ``mnb.elastic`` loop, which carries on in place (the new
+processes take its state). With ``--min-ranks`` / ``--nnodes MIN:MAX``
+the run goes on without ranks gone for good (they are *lost*, not failed)
+and ends, exit 1, when fewer are left.
 
 Terminal: a live status line per rank (state, incarnation, loss once
 ``mnb.log`` reports one) drawn by rich when stderr is a terminal, rank output
@@ -28,8 +32,8 @@ Options go before the script; after it, the launcher's own options
 (``--nodes=8 --gpus-per-node=8``, the announced form) up to a ``--`` are the
 launcher's, everything else belongs to the script. torchrun's flags are
 accepted too (launchopts.py). A rank's failure is retried by fact: a run that
-ended, however, after the group changed under it (a peer died) runs again;
-one that failed on its own does not.
+ended, however, after the group changed under it (a peer died) runs again,
+always in a new process; one that failed on its own does not.
 
 Only the public API of :class:`~monarch_nb.Mesh` is used (submit, output,
 wait_any, events, status, generation, logs).

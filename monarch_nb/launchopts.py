@@ -14,7 +14,9 @@ Three ways to say the same launch, all accepted by ``python -m monarch_nb.launch
   torchrun's meaning where monarch_nb has one, accepted with a notice where
   it is moot here (the controller is the rendezvous, deaths are seen at
   once), refused with a message naming what to use where it would mean
-  something monarch_nb does not do (elastic node ranges, a per-node agent).
+  something monarch_nb does not do (a per-node agent, NUMA binding).
+  ``--nnodes MIN:MAX`` counts hosts: MAX are started, MIN of them is the
+  run's ``min_ranks`` (one machine is one node).
 
 :func:`plan` turns the parsed options into ``Mesh.start`` keyword
 arguments, the run's own settings (how to run the script, log files, which
