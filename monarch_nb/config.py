@@ -168,6 +168,14 @@ class MeshConfig:
         (``--ranks``, ``mesh[i]``, results, status, logs); ``mnb.rank()``,
         ``dist.get_rank()`` and ``RANK`` are the group's (docs/elastic.md).
         A lost rank brought back (``%monarch restart``) rejoins the group.
+    restart_group: script mode's restarts (``python -m monarch_nb.launch``
+        sets it): a rank's death restarts every other rank too, as new
+        processes, as torchrun restarts its worker group (new
+        ``TORCHELASTIC_RESTART_COUNT``, nothing of the earlier run left),
+        except ranks running an ``mnb.elastic`` loop, which carry on in
+        place; when the group goes on without lost ranks (``min_ranks``) the
+        others restart at the new size. Respawn ``rank`` only; ``all``
+        restarts every rank anyway, ``off`` none.
     relay: a *remote* rank's channels go through its host's agent
         (wire/hostrelay.py): one connection per host, one message per host
         for a call to its ranks, batched results and heartbeats. Signed end
@@ -206,6 +214,7 @@ class MeshConfig:
     name: str | None = None
     keep_alive: float | None = None
     min_ranks: int | None = None
+    restart_group: bool = False
 
     def __post_init__(self) -> None:
         if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1):

@@ -118,34 +118,47 @@ def run(state: State, *, reform_timeout: float = 300.0,
                 args = args[1:]
             # joined mid-call (respawned): first take the state of a live peer
             sync = _context._state.get("generation", 0) > _context._state.get("call_generation", 0)
-            reform = False
-            reforms = 0
-            while True:
-                # Joining and syncing are retried like the loop itself: a
-                # member may die during either (two ranks lost at once come
-                # back one backoff apart, each with a new generation).
-                try:
-                    if reform:
-                        _await_reform(reform_timeout)
-                        reform, sync = False, True
-                    if sync:
-                        _sync(state)
-                        sync = False
-                    return fn(state, *args, **kwargs)
-                except Exception as exc:
-                    retry = isinstance(exc, JoinFailed) or is_peer_loss(f"{type(exc).__name__} {exc}")
-                    if not retry or reforms >= max_reforms:
-                        raise
-                    # the failed attempt's frames hold group-bound objects (DDP)
-                    traceback.clear_frames(exc.__traceback__)
-                reforms += 1
-                gc.collect()
-                state.rollback()
-                reform = True
+            # while it runs, this rank carries on in place after a peer's
+            # death (its heartbeats say so: a script's other ranks are
+            # restarted, this one re-forms with the group)
+            _context._state["elastic_loops"] = _context._state.get("elastic_loops", 0) + 1
+            try:
+                return _loop(fn, state, args, kwargs, sync, reform_timeout, max_reforms)
+            finally:
+                _context._state["elastic_loops"] -= 1
 
         return wrapper
 
     return decorate
+
+
+def _loop(fn: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: dict[str, Any],
+          sync: bool, reform_timeout: float, max_reforms: int) -> Any:
+    """:func:`run`'s loop: ``fn`` until it returns or fails by itself."""
+    reform = False
+    reforms = 0
+    while True:
+        # Joining and syncing are retried like the loop itself: a
+        # member may die during either (two ranks lost at once come
+        # back one backoff apart, each with a new generation).
+        try:
+            if reform:
+                _await_reform(reform_timeout)
+                reform, sync = False, True
+            if sync:
+                _sync(state)
+                sync = False
+            return fn(state, *args, **kwargs)
+        except Exception as exc:
+            retry = isinstance(exc, JoinFailed) or is_peer_loss(f"{type(exc).__name__} {exc}")
+            if not retry or reforms >= max_reforms:
+                raise
+            # the failed attempt's frames hold group-bound objects (DDP)
+            traceback.clear_frames(exc.__traceback__)
+        reforms += 1
+        gc.collect()
+        state.rollback()
+        reform = True
 
 
 def _await_reform(timeout: float) -> int:

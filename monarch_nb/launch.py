@@ -4,10 +4,14 @@ The launching process is the single controller (what the notebook kernel is
 in notebook mode): it starts the mesh with the chosen launcher, runs the
 script on every rank (``monarch_nb.script.run_script``: ``__main__``,
 ``sys.argv`` set, the torch.distributed environment set and the group
-already formed) and supervises it exactly as a notebook would: a dead rank
-is respawned (``--respawn rank``) and runs the script again (with
-``mnb.incarnation() > 0``; ``mnb.elastic`` restores its training state from a
-live peer), survivors cut short in a collective by the death run it again too.
+already formed) and supervises it as a notebook would, with torchrun's restarts: a dead rank
+is respawned (``--respawn rank``) and every rank runs the script again in a
+new process (the policy's group restart: the new
+``TORCHELASTIC_RESTART_COUNT``, nothing of the earlier run left), except a
+rank in an ``mnb.elastic`` loop, which carries on in place (the new
+processes take its state). With ``--min-ranks`` / ``--nnodes MIN:MAX``
+the run goes on without ranks gone for good (they are *lost*, not failed)
+and ends, exit 1, when fewer are left.
 
 Terminal: a live status line per rank (state, incarnation, loss once
 ``mnb.log`` reports one) drawn by rich when stderr is a terminal, rank output
@@ -28,8 +32,8 @@ Options go before the script; after it, the launcher's own options
 (``--nodes=8 --gpus-per-node=8``, the announced form) up to a ``--`` are the
 launcher's, everything else belongs to the script. torchrun's flags are
 accepted too (launchopts.py). A rank's failure is retried by fact: a run that
-ended, however, after the group changed under it (a peer died) runs again;
-one that failed on its own does not.
+ended, however, after the group changed under it (a peer died) runs again,
+always in a new process; one that failed on its own does not.
 
 Only the public API of :class:`~monarch_nb.Mesh` is used (submit, output,
 wait_any, events, status, generation, logs).
@@ -58,6 +62,7 @@ from .launchopts import (
     plan,
     shown,
 )
+from .rankspans import format_ranks
 
 EXIT_INTERRUPTED = 130
 FAIL_GRACE_S = 5.0  # after a final failure, how long the other ranks may finish
@@ -70,6 +75,7 @@ OMP_NOTICE = ("*****************************************\n"
               "variable for optimal performance in your application as needed. \n"
               "*****************************************")  # torchrun's words
 DEATH_EVENTS = ("died", "replaced", "failed_start")
+GONE_FOR_GOOD = ("failed", "lost", "dead", "stopped")  # mesh.status() states: no process coming
 _OWN_FRAMES = tuple(f"in {name}" for name in ("run_script", "_run_file", "run_path",
                                               "_run_module_code", "_run_code", "run_module"))
 
@@ -240,6 +246,12 @@ class ScriptRun:
         self.futures: dict[int, Any] = {}
         self.done: set[int] = set()
         self.failed: dict[int, BaseException] = {}
+        # the ranks the group went on without (min_ranks): not failures
+        self.lost: dict[int, BaseException] = {}
+        self.incarnation_at_submit: dict[int, int] = {}
+        # ranks restarted by us (their run ended, their process was left):
+        # the incarnation they had; the script goes to the new process
+        self.restarting: dict[int, int] = {}
         self.reruns: dict[int, int] = {}
         self.deaths_at_submit: dict[int, int] = {}
         self.undecided: dict[int, float] = {}  # rank -> since when it waits for a death report
@@ -305,6 +317,7 @@ class ScriptRun:
         from .engine import script as script_mod
 
         self.deaths_at_submit[rank] = self._deaths()
+        self.incarnation_at_submit[rank] = self.mesh.status()[rank]["incarnation"]
         # the generation the run started in: a rank that joins a later one
         # came in mid-run and takes its elastic state from a peer
         self.futures[rank] = self.mesh.ranks([rank]).submit(
@@ -320,7 +333,8 @@ class ScriptRun:
             self._show_events()
             self._collect()
             self.term.update(self.mesh.status(), self.done)
-            open_ranks = [r for r in self.futures if r not in self.done and r not in self.failed]
+            open_ranks = [r for r in self.futures
+                          if r not in self.done and r not in self.failed and r not in self.lost]
             if not open_ranks or self.stop_now:
                 break
             if self.stopping is not None and time.monotonic() > self.stop_by:
@@ -332,7 +346,8 @@ class ScriptRun:
                 break
             # leads the I/O loop meanwhile; with nothing pending, only
             # failures waiting for a death report
-            self.mesh.wait_any([self.futures[r] for r in open_ranks if not self.futures[r].done()],
+            self.mesh.wait_any([self.futures[r] for r in open_ranks
+                                if not self.futures[r].done() and r not in self.restarting],
                                REFRESH_S)
         self._show_events()
         for f in self.dup_files.values():
@@ -369,16 +384,35 @@ class ScriptRun:
         return sum(1 for ev in self.mesh.events if ev["kind"] in DEATH_EVENTS)
 
     def _collect(self) -> None:
+        """Each rank's run that ended: done, run again (always in a new
+        process, as torchrun restarts its workers), lost with the group
+        going on without it, or failed."""
         now = time.monotonic()
+        rows = self.mesh.status()
+        going_on = self.failed_at is None and self.stopping is None
+        for rank, inc in list(self.restarting.items()):
+            if rows[rank]["incarnation"] > inc:  # its new process is on its way: the script too
+                del self.restarting[rank]
+                self.submit(rank)
+        for rank in sorted(self.done):
+            # a rank that had finished, restarted with the group (torchrun
+            # restarts every worker): it runs the script again
+            if going_on and rows[rank]["incarnation"] > self.incarnation_at_submit[rank]:
+                self.done.discard(rank)
+                self.term.line(f"monarch_nb: rank {rank} runs the script again in a new "
+                               "process (restarted with the group)")
+                self.submit(rank)
         for rank, fut in list(self.futures.items()):
-            if rank in self.done or rank in self.failed or not fut.done():
+            if (rank in self.done or rank in self.failed or rank in self.lost
+                    or rank in self.restarting or not fut.done()):
                 continue
             exc = fut.exception()
             if exc is None:
                 self.done.add(rank)
                 continue
             err = getattr(exc, "errors", {}).get(rank, exc)
-            state = self.mesh.status()[rank]["state"]
+            row = rows[rank]
+            state = row["state"]
             # Did the group change under this run (a peer died since it was
             # submitted)? A survivor's failure can reach us a moment before
             # the death that caused it: a failure with no death yet waits
@@ -386,24 +420,44 @@ class ScriptRun:
             changed = self._deaths() > self.deaths_at_submit.get(rank, 0)
             respawn = self.mesh.config.respawn
             if (respawn != "off" and not changed and isinstance(err, RemoteError)
-                    and self.failed_at is None and self.stopping is None):
+                    and going_on):
                 since = self.undecided.setdefault(rank, now)
                 if now - since < PEER_LOSS_WAIT_S:
                     continue
+            if state == "dying":
+                continue  # killed on purpose: its death says what comes next
             self.undecided.pop(rank, None)
-            again = (retryable(err, respawn, changed) and state != "failed"
-                     and self.failed_at is None and self.stopping is None
-                     and self.reruns.get(rank, 0) < MAX_RERUNS)
-            if again:
+            if rank not in self.mesh.group and state in GONE_FOR_GOOD:
+                self.lost[rank] = err  # the group went on without it (min_ranks)
+                continue
+            may = (retryable(err, respawn, changed) and going_on
+                   and self.reruns.get(rank, 0) < MAX_RERUNS)
+            # its process replaced, or on its way back: the script goes to the new one
+            coming = (row["incarnation"] > self.incarnation_at_submit[rank]
+                      or state in ("waiting", "respawning", "starting"))
+            if may and coming:
                 self.reruns[rank] = self.reruns.get(rank, 0) + 1
-                self.term.line(f"monarch_nb: rank {rank} runs the script again "
-                               f"({describe_failure(err)})")
-                self.submit(rank)  # waits for the respawned process if there is one
+                self.term.line(f"monarch_nb: rank {rank} runs the script again in a new "
+                               f"process ({describe_failure(err)})")
+                self.submit(rank)  # waits for the respawned process
+                continue
+            if may and state in ("ready", "busy") and self._group_whole(rows):
+                # the group changed under it but its process was left (it was
+                # in an mnb.elastic loop then): a re-run is a new process too
+                self.reruns[rank] = self.reruns.get(rank, 0) + 1
+                self.term.line(f"monarch_nb: rank {rank} runs the script again in a new "
+                               f"process ({describe_failure(err)}); restarting it")
+                self.restarting[rank] = row["incarnation"]
+                self.mesh.restart(rank)
                 continue
             self.failed[rank] = err
             if self.first_failure is None:
                 self.first_failure = rank
                 self.failed_at = time.monotonic()
+
+    def _group_whole(self, rows: list[dict[str, Any]]) -> bool:
+        """No member of the group is gone for good (else the run cannot go on)."""
+        return all(rows[r]["state"] not in GONE_FOR_GOOD for r in self.mesh.group)
 
     def _show_events(self) -> None:
         events = self.mesh.events
@@ -439,11 +493,27 @@ class ScriptRun:
             for rank in ended:
                 self.term.line(f"  rank {rank}: {describe_failure(self.failed[rank])}")
             return 128 + self.stopping
-        if not self.failed and len(self.done) == world:
-            self.term.line(f"monarch_nb: all {world} rank(s) finished")
+        lost = sorted(self.lost)
+        if not self.failed and len(self.done) + len(lost) == world:
+            if not lost:
+                self.term.line(f"monarch_nb: all {world} rank(s) finished")
+                return 0
+            self.term.line(f"monarch_nb: all {len(self.done)} rank(s) of the group finished, at "
+                           f"world size {len(self.done)} of {world}; rank "
+                           f"{format_ranks(lost)} lost: {describe_failure(self.lost[lost[0]])}")
             return 0
         lines = [f"monarch_nb: {len(self.done)} of {world} rank(s) finished; "
-                 f"{len(self.failed)} failed"]
+                 f"{len(self.failed)} failed" + (f", rank {format_ranks(lost)} lost" if lost
+                                                  else "")]
+        rows = self.mesh.status()
+        left = [r for r in self.mesh.group if rows[r]["state"] not in GONE_FOR_GOOD]
+        min_ranks = self.mesh.config.min_ranks
+        below = min_ranks is not None and len(left) < min_ranks
+        if below:
+            # below the elastic world size: what ended the run (torchrun's
+            # run ends too when fewer than its MIN nodes are left, exit 1)
+            lines.append(f"  the group cannot go on: {len(left)} rank(s) left, fewer than "
+                         f"--min-ranks {min_ranks}")
         for rank in sorted(self.failed):
             err = self.failed[rank]
             lines.append(f"  rank {rank}: {describe_failure(err)} (exit {exit_code_of(err)})")
@@ -458,6 +528,8 @@ class ScriptRun:
         for line in lines:
             self.term.line(line)
         assert self.first_failure is not None
+        if below:
+            return 1  # no rank's own status: the capacity ended it (torchrun exits 1)
         return exit_code_of(self.failed[self.first_failure]) or 1
 
 

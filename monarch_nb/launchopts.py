@@ -14,7 +14,9 @@ Three ways to say the same launch, all accepted by ``python -m monarch_nb.launch
   torchrun's meaning where monarch_nb has one, accepted with a notice where
   it is moot here (the controller is the rendezvous, deaths are seen at
   once), refused with a message naming what to use where it would mean
-  something monarch_nb does not do (elastic node ranges, a per-node agent).
+  something monarch_nb does not do (a per-node agent, NUMA binding).
+  ``--nnodes MIN:MAX`` counts hosts: MAX are started, MIN of them is the
+  run's ``min_ranks`` (one machine is one node).
 
 :func:`plan` turns the parsed options into ``Mesh.start`` keyword
 arguments, the run's own settings (how to run the script, log files, which
@@ -79,6 +81,9 @@ def build_parser(prog: str = "python -m monarch_nb.launch") -> argparse.Argument
     p.add_argument("--spare-hosts", default="",
                    help="comma-separated hosts kept free for the ranks of a lost host (ssh, "
                         "slurm; under slurm: the allocation's nodes beyond --nodes by default)")
+    p.add_argument("--min-ranks", type=int, default=None, metavar="M",
+                   help="an elastic world size: the run goes on while at least M ranks are left "
+                        "(default: MIN nodes' ranks of --nnodes MIN:MAX, else every rank)")
     p.add_argument("--host-timeout", type=float, default=5.0,
                    help="a host whose agent is silent this many seconds is lost (default 5)")
     p.add_argument("--bind", default=None,
@@ -95,7 +100,9 @@ def build_parser(prog: str = "python -m monarch_nb.launch") -> argparse.Argument
 
     t = p.add_argument_group("torchrun's flags", "accepted as torchrun has them (README: "
                              "'torchrun flags' says what each does here)")
-    t.add_argument("--nnodes", default=None, help="N, or MIN:MAX with MIN == MAX")
+    t.add_argument("--nnodes", default=None,
+                   help="N, or MIN:MAX: MAX nodes (hosts) are started and the run goes on "
+                        "while MIN nodes' ranks are left (--min-ranks); one machine is one node")
     t.add_argument(*_both("nproc-per-node"), dest="nproc_per_node", default=None,
                    help="ranks per node: a number, gpu, cpu or auto")
     t.add_argument("--standalone", action="store_true", help="one node (the default here)")
@@ -278,19 +285,31 @@ class Plan:
         return self.stop_signals | {signal.SIGUSR1, signal.SIGUSR2}
 
 
-def _nnodes(text: str | None) -> int | None:
+def _nnodes(text: str | None) -> tuple[int, int] | None:
+    """torchrun's ``--nnodes N`` or ``MIN:MAX``: (MIN, MAX)."""
     if text is None:
         return None
-    low, _, high = text.partition(":")
+    low, sep, high = text.partition(":")
     try:
-        lo, hi = int(low), int(high or low)
+        lo, hi = int(low), int(high if sep else low)
     except ValueError:
-        raise UsageError(f"--nnodes {text!r}: give a number of nodes, e.g. --nnodes 2") from None
-    if lo != hi:
-        raise UsageError(f"--nnodes {text}: monarch_nb keeps a fixed world size and replaces a "
-                         "lost rank in place (--respawn rank) instead of growing and shrinking "
-                         f"the job; give one number, --nnodes {hi}")
-    return hi
+        raise UsageError(f"--nnodes {text!r}: give a number of nodes (--nnodes 2) or a range "
+                         "MIN:MAX (--nnodes 1:2)") from None
+    if lo < 1:
+        raise UsageError(f"--nnodes {text}: a run needs at least 1 node, not {lo}")
+    if lo > hi:
+        raise UsageError(f"--nnodes {text}: MIN ({lo}) is more than MAX ({hi}); "
+                         f"write --nnodes {hi}:{lo}")
+    return lo, hi
+
+
+def _several_hosts(ns: argparse.Namespace) -> bool:
+    """Does this launch start nodes on other hosts (ssh, SLURM, join), or
+    only this machine (one node)? As plan() picks the launcher."""
+    if ns.launcher is not None:
+        return bool(ns.launcher != "local")
+    return bool(ns.hosts or os.environ.get("SLURM_JOB_ID")
+                or (ns.rdzv_endpoint and not ns.standalone))
 
 
 def _nproc(value: str | None, backend: str) -> tuple[int | None, str]:
@@ -376,10 +395,26 @@ def plan(ns: argparse.Namespace) -> Plan:
                          "the same time.")
 
     nodes = ns.nodes
-    nnodes = _nnodes(ns.nnodes)
-    if nnodes is not None:
+    span = _nnodes(ns.nnodes)
+    min_nodes = None  # --nnodes MIN:MAX with MIN < MAX: the run goes on with MIN nodes' ranks
+    if span is not None:
+        lo, hi = span
+        nnodes = hi  # the controller starts every node: MAX of them
+        if lo < hi:
+            min_nodes = lo
+            if not _several_hosts(ns):
+                # one machine is one node: its ranks are the whole run (a
+                # rank past its budget ends it, as on torchrun's one node)
+                if lo > 1:
+                    raise UsageError(
+                        f"--nnodes {ns.nnodes}: this machine is one node, fewer than MIN={lo}; "
+                        "a node is a host here: give --hosts H1,H2 (ssh), run inside a SLURM "
+                        f"allocation, or use --nnodes 1:{hi} on one machine")
+                nnodes = 1
+                notes.append(f"monarch_nb: --nnodes {ns.nnodes} on one machine: one node "
+                             "(this machine; a node is a host)")
         if nodes is not None and nodes != nnodes:
-            raise UsageError(f"--nodes {nodes} and --nnodes {nnodes} disagree; give one")
+            raise UsageError(f"--nodes {nodes} and --nnodes {ns.nnodes} disagree; give one")
         nodes = nnodes
     per_node, backend = _nproc(ns.nproc_per_node, ns.backend)
     if per_node is not None:
@@ -458,6 +493,24 @@ def plan(ns: argparse.Namespace) -> Plan:
     if n is None and per_node is not None:
         n = (nodes or 1) * per_node
     opts["n"] = n
+    # a script's re-runs are new processes (torchrun's restarts), except ranks
+    # in an mnb.elastic loop, which carry on in place (policy.py)
+    opts["restart_group"] = True
+    min_ranks = ns.min_ranks
+    if min_ranks is None and min_nodes is not None:
+        per = per_node or (max(1, n // (nodes or 1)) if n is not None else None)
+        if per is None:  # the default world size: known once the mesh starts
+            raise UsageError(f"--nnodes {ns.nnodes}: say how many ranks a node has "
+                             "(--nproc-per-node N) or give --min-ranks M")
+        min_ranks = min_nodes * per
+        notes.append(f"monarch_nb: --nnodes {ns.nnodes}: the run goes on while at least "
+                     f"{min_ranks} rank(s) ({min_nodes} node(s) of {per}) are left "
+                     "(--min-ranks)")
+    if min_ranks is not None:
+        if min_ranks < 1 or (n is not None and min_ranks > n):
+            raise UsageError(f"--min-ranks {min_ranks}: give a number of ranks from 1 to the "
+                             f"{n or 'started'} rank(s) of the launch")
+        opts["min_ranks"] = min_ranks
     if nodes is not None:
         opts["nodes"] = nodes
     if per_node is not None:

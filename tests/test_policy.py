@@ -660,3 +660,72 @@ def test_min_ranks_outside_the_mesh_is_refused() -> None:
     for bad_group in ((), (2, 1), (0, 3), (1, 1)):
         with pytest.raises(ValueError, match="group"):
             t.reformed(1, bad_group)
+
+
+# -- a script's group restart (restart_group: python -m monarch_nb.launch) ------------------
+def test_a_scripts_death_restarts_every_other_rank_but_those_in_an_elastic_loop() -> None:
+    s = Script(4, restart_group=True)
+    s.t[2].elastic_loop = True  # carries on in place (its heartbeats said so)
+    actions = s.handle(Died(1, now=0.0, cause="SIGKILL"))
+    why = "rank 1 died"
+    assert actions == [Move(1, S.DEAD), Move(1, S.WAITING),
+                       Kill(0, why), Move(0, S.DEAD), Move(0, S.WAITING),
+                       Kill(3, why), Move(3, S.DEAD), Move(3, S.WAITING),
+                       Respawn(0, 1), Respawn(1, 1), Respawn(3, 1), Reform(1, (0, 1, 2, 3))]
+    # every restarted rank has the new incarnation (TORCHELASTIC_RESTART_COUNT) but the
+    # one in place; only the rank that died spent budget; the killed ones' exits are old news
+    assert [s.t[r].incarnation for r in range(4)] == [1, 1, 0, 1]
+    assert s.p.deaths[0] == [] and s.p.deaths[3] == [] and s.p.deaths[1] == [0.0]
+    assert s.handle(Died(0, now=0.1, incarnation=0)) == []
+
+
+def test_a_scripts_crash_loop_restarts_the_others_when_its_backoff_is_over() -> None:
+    s = Script(2, restart_group=True, base=1.0, rng=random.Random(1))
+    s.handle(Died(1, now=0.0))
+    for r in (0, 1):
+        s.ready(r)
+    actions = s.handle(Died(1, now=0.2))  # died again before it answered anything
+    assert actions == [Move(1, S.DEAD), Move(1, S.WAITING),
+                       Kill(0, "rank 1 died"), Move(0, S.DEAD), Move(0, S.WAITING)]
+    deadline = s.p.next_deadline()
+    assert deadline is not None and deadline > 0.2
+    assert s.handle(Timer(deadline)) == [Respawn(0, 2), Respawn(1, 2), Reform(2, (0, 1))]
+
+
+def test_a_scripts_shrink_restarts_the_ranks_left_at_the_smaller_size() -> None:
+    s = Script(4, restart_group=True, budget=0, min_ranks=2)
+    s.t[0].elastic_loop = True
+    actions = s.handle(Died(3, now=1.0))
+    assert isinstance(actions[2], Shrink) and actions[2].ranks == (0, 1, 2)
+    why = "the group goes on without rank 3"
+    assert actions[4:] == [Kill(1, why), Move(1, S.DEAD), Move(1, S.WAITING),
+                           Kill(2, why), Move(2, S.DEAD), Move(2, S.WAITING),
+                           Respawn(1, 1), Respawn(2, 1), Reform(1, (0, 1, 2), group=(0, 1, 2))]
+    # a host lost with no spare: its ranks are gone, the others restart in a group of 2
+    s = Script(4, restart_group=True, min_ranks=2)
+    actions = s.handle(HostLost("hB", (2, 3), now=5.0))
+    assert actions[-3:] == [Respawn(0, 1), Respawn(1, 1), Reform(1, (0, 1), group=(0, 1))]
+    assert Kill(0, "the group goes on without rank 2,3") in actions
+    assert [s.t.torch_rank(r) for r in range(4)] == [0, 1, None, None]
+
+
+def test_a_scripts_lost_host_with_a_spare_restarts_everyone_in_one_generation() -> None:
+    s = Script(4, restart_group=True)
+    actions = s.handle(HostLost("hB", (2, 3), now=5.0, spare="hC"))
+    assert [a for a in actions if isinstance(a, (Respawn, Reform))] == [
+        Respawn(2, 1, "hC"), Respawn(3, 1, "hC"), Respawn(0, 1), Respawn(1, 1),
+        Reform(1, (0, 1, 2, 3))]
+    assert Kill(0, "host hB lost") in actions and Kill(1, "host hB lost") in actions
+
+
+def test_a_scripts_group_is_not_restarted_below_min_ranks_nor_with_respawn_off() -> None:
+    s = Script(3, restart_group=True, budget=0, min_ranks=3)
+    actions = s.handle(Died(2, now=0.0))
+    assert not any(isinstance(a, (Kill, Respawn, Reform)) for a in actions)
+    assert isinstance(actions[-1], NotComingBack)
+    s = Script(3, restart_group=True, mode="off")
+    assert not any(isinstance(a, Kill) for a in s.handle(Died(0, now=0.0)))
+    # mode all restarts every rank, an elastic loop's too (a torchrun restart exactly)
+    s = Script(2, restart_group=True, mode="all")
+    s.t[0].elastic_loop = True
+    assert Kill(0) in s.handle(Died(1, now=0.0))

@@ -92,6 +92,7 @@ def test_torchrun_flags_map_onto_the_mesh() -> None:
     assert cpu.mode == "module" and _plan("--no_python", "prog").mode == "exec"
     two = _plan("--nnodes", "2:2", "--hosts", "a,b", "--nproc-per-node", "2", "x.py").mesh
     assert (two["n"], two["nodes"], two["gpus_per_node"], two["launcher"]) == (4, 2, 2, "ssh")
+    assert "min_ranks" not in two and two["restart_group"]  # a fixed size: every rank
     join = _plan("--nnodes", "2", "--rdzv-endpoint", "10.0.0.5:29400", "x.py")
     assert (join.mesh["launcher"], join.mesh["bind"], join.mesh["master_addr"]) == \
         ("join", "10.0.0.5", "10.0.0.5")
@@ -200,7 +201,14 @@ def test_torchrun_style_launch_from_pet_variables(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("argv", "says"), [
-    (["--nnodes", "1:4", "x.py"], "give one number, --nnodes 4"),
+    (["--nnodes", "2:4", "--nproc-per-node", "2", "x.py"], "this machine is one node, fewer "
+                                                             "than MIN=2"),
+    (["--nnodes", "0:2", "x.py"], "at least 1 node, not 0"),
+    (["--nnodes", "3:2", "--hosts", "a,b", "x.py"], "write --nnodes 2:3"),
+    (["--nnodes", "a:b", "x.py"], "a range MIN:MAX (--nnodes 1:2)"),
+    (["--nnodes", "1:2", "--hosts", "a,b", "--nproc-per-node", "2", "--min-ranks", "5", "x.py"],
+     "--min-ranks 5: give a number of ranks from 1 to the 4"),
+    (["-n", "2", "--min-ranks", "0", "x.py"], "--min-ranks 0"),
     (["--node-rank", "1", "x.py"], "monarch-nb worker --join"),
     (["--nnodes", "2", "x.py"], "--hosts H1,H2"),
     (["--standalone", "--nnodes", "2", "x.py"], "--standalone runs on one node"),
@@ -296,8 +304,9 @@ def test_a_main_that_exits_1_is_retried_after_a_peers_death(tmp_path: Path) -> N
                 "train.py"], tmp_path)
     assert res.returncode == 0, res.stderr
     assert "rank 1 died: killed by SIGKILL" in res.stderr
-    assert "rank 0 runs the script again (sys.exit(1))" in res.stderr
-    assert "[0] finished rank 0 incarnation 0" in res.stdout
+    # torchrun's restart: rank 0 is restarted with it, in a new process
+    assert "rank 0 runs the script again in a new process" in res.stderr
+    assert "[0] finished rank 0 incarnation 1" in res.stdout
     assert "[1] finished rank 1 incarnation 1" in res.stdout
 
 
@@ -497,3 +506,23 @@ def test_gpu_check_skips_cleanly_without_a_gpu() -> None:
                          capture_output=True, text=True, timeout=60, env=_env())
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("skipped: no GPU")
+
+
+def test_nnodes_min_max_is_a_number_of_hosts_and_min_is_min_ranks() -> None:
+    # several hosts: MAX nodes started, the run goes on with MIN nodes' ranks
+    el = _plan("--nnodes", "1:2", "--nproc-per-node", "2", "--hosts", "a,b", "x.py")
+    assert (el.mesh["n"], el.mesh["nodes"], el.mesh["min_ranks"]) == (4, 2, 2)
+    assert any("at least 2 rank(s) (1 node(s) of 2) are left" in n for n in el.notes)
+    # --min-ranks wins over MIN
+    assert _plan("--nnodes", "1:2", "--nproc-per-node", "2", "--hosts", "a,b", "--min-ranks",
+                 "3", "x.py").mesh["min_ranks"] == 3
+    # one machine is one node: all its ranks (as torchrun's one node), or --min-ranks
+    one = _plan("--nnodes", "1:2", "--nproc-per-node", "2", "x.py")
+    assert (one.mesh["n"], one.mesh["nodes"], one.mesh["min_ranks"]) == (2, 1, 2)
+    assert one.mesh["launcher"] == "local" and any("one machine" in n for n in one.notes)
+    assert _plan("--standalone", "--nproc-per-node", "2", "--min-ranks", "1",
+                 "x.py").mesh["min_ranks"] == 1
+    # a SLURM allocation is several hosts
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SLURM_JOB_ID", "7")
+        assert _plan("--nnodes", "2:3", "--nproc-per-node", "1", "x.py").mesh["min_ranks"] == 2

@@ -181,7 +181,7 @@ class Controller:
         policy = RestartPolicy(self.ranks, mode=cfg.respawn, budget=cfg.restart_budget,
                                window=cfg.restart_window,
                                no_restarts=cfg.no_restarts_hint or RestartPolicy.no_restarts,
-                               min_ranks=cfg.min_ranks)
+                               min_ranks=cfg.min_ranks, restart_group=cfg.restart_group)
         self.recovery = Recovery(cfg, self.ranks, self.calls, self.supervisor, self.io,
                                  self.codec, policy, announce=self._announce,
                                  dispatch=lambda call: self.caller.dispatch(call),
@@ -367,7 +367,9 @@ class Controller:
         elif kind == Kind.OUTPUT:
             self.assembler.on_output(info, msg)
         elif kind == Kind.HEARTBEAT:
-            info.health = meta_of(msg, Kind.HEARTBEAT).get("h") or info.health
+            beat = meta_of(msg, Kind.HEARTBEAT)
+            info.health = beat.get("h") or info.health
+            info.elastic_loop = bool(beat.get("el"))
         elif kind == Kind.METRICS:
             self.assembler.on_metrics(info, msg)
         elif kind == Kind.INTERRUPTED:
@@ -418,6 +420,7 @@ class Controller:
             if info is not None:
                 info.last_heartbeat = now
                 info.health = meta.get("h") or info.health
+                info.elastic_loop = bool(meta.get("el"))
 
     def _answered(self, info: RankInfo, call_id: int) -> None:
         """``info``'s process answered a call: working, unless the call was a

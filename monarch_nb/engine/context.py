@@ -70,6 +70,13 @@ def incarnation() -> int:
     return int(_state.get("incarnation", os.environ.get("MONARCH_NB_INCARNATION", 0)))
 
 
+def in_elastic_loop() -> bool:
+    """The main thread runs an ``mnb.elastic.run`` loop now: after a peer's
+    death this rank carries on in place (the control thread says so in its
+    heartbeats, so a script's group restart leaves it alone)."""
+    return int(_state.get("elastic_loops", 0)) > 0
+
+
 def device() -> Any:
     """The torch.device this rank computes on: ``cuda:0`` (its one pinned
     GPU, CUDA or ROCm) or ``cpu``."""

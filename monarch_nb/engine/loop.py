@@ -427,6 +427,7 @@ class Worker:
         self._send_ctl(Kind.HELLO, meta={"pid": os.getpid(), "incarnation": env.incarnation,
                                          "host": os.uname().nodename})
         next_beat = next_metrics = 0.0
+        said_loop = False
         health = HealthProbe()
         while True:
             busy = (self.running_call != 0 or self.output.pending or self.metrics.pending
@@ -474,11 +475,16 @@ class Worker:
                     call, n, points = batch
                     self._send_ctl(Kind.METRICS, call=call, meta={"n": n},
                                    payload=[encode_metrics(points)])
-            if now >= next_beat:
+            # entering or leaving an mnb.elastic loop is said at once: the
+            # controller decides by it whether a peer's death restarts this
+            # rank (a script's group restart) or leaves it in place
+            in_loop = _context.in_elastic_loop()
+            if now >= next_beat or in_loop != said_loop:
                 next_beat = now + HEARTBEAT_S
                 if not away:
-                    self._send_ctl(Kind.HEARTBEAT,
-                                   meta={"busy": self.running_call, "h": health.read()})
+                    said_loop = in_loop
+                    self._send_ctl(Kind.HEARTBEAT, meta={"busy": self.running_call,
+                                                         "h": health.read(), "el": in_loop})
                 # (a ping waiting unread is not silence: after a long GIL
                 # hold by the main thread this thread runs on from where it
                 # was, and the pings of the hold are still to be read)

@@ -88,6 +88,7 @@ class MetricsMeta(TypedDict, total=False):
 class HeartbeatMeta(TypedDict, total=False):
     busy: int  # the call running, 0: idle
     h: dict[str, Any]  # health figures
+    el: bool  # the main thread runs an mnb.elastic loop
 
 
 class InterruptedMeta(TypedDict, total=False):

@@ -88,7 +88,8 @@ class Kind(str, enum.Enum):
     # parts; payload: output?, value)
     OUTPUT = "output"  # stdout/stderr text of call c (meta: n, the chunk no.;
     # payload: JSON, wire/payloads.py)
-    HEARTBEAT = "heartbeat"  # control thread alive (meta: busy: the call, h: health figures)
+    HEARTBEAT = "heartbeat"  # control thread alive (meta: busy: the call, h: health figures,
+    # el: in an mnb.elastic loop)
     INTERRUPTED = "interrupted"  # answer to INTERRUPT (meta: where the main thread was)
     STACKS_REPLY = "stacks_reply"  # answer to STACKS (meta: threads, busy)
     REFORM = "reform"  # leave the group, join a new generation on a new port
@@ -159,7 +160,10 @@ META: dict[Kind, dict[str, tuple[type, ...]]] = {
                   "parts": _L},
     Kind.OUTPUT: {"n": _I},  # chunk number within the call, -1: uncounted
     Kind.METRICS: {"n": _I},  # batch number within the call, -1: uncounted
-    Kind.HEARTBEAT: {"busy": _I, "h": _D},  # busy: the call running (0: idle); h: health
+    # busy: the call running (0: idle); h: health; el: the main thread runs an
+    # mnb.elastic loop (after a peer's death it carries on in place, so a
+    # script's group restart leaves it alone: controller/life/policy.py)
+    Kind.HEARTBEAT: {"busy": _I, "h": _D, "el": _B},
     Kind.INTERRUPTED: {"where": _S},
     Kind.STACKS_REPLY: {"threads": _L, "busy": _I},
     Kind.REFORM: {"generation": _I, "port": _I, "addr": _S, "members": _L},

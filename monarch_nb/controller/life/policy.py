@@ -44,6 +44,9 @@ Decisions::
     that many ranks left)          -> Shrink, the ranks' own Report / GiveUp,
                                       Reform(group=the ranks left) (none while a rank
                                       left waits out its backoff: the Timer's forms it)
+    (restart_group: a Died respawned, a HostLost with a spare, a Shrink)
+                                   -> also Kill + Move DEAD + Move WAITING of every
+                                      other rank with a process not in an elastic loop
     Probed (READY/BUSY, in a collective)  -> ReplaceStuck (RESPAWNING, incarnation + 1)
     SpareCheck                     -> StartSpare while a rank waits out its backoff, or
                                       once the mesh has been settled ``SPARE_DELAY_S``
@@ -74,6 +77,17 @@ that starts it: every Reform's group is the ranks not gone for good.
 Modes: ``rank`` replaces only the dead rank; ``all`` replaces every rank
 (the survivors are restarted too, torchrun-style); ``off`` reports and keeps
 the survivors.
+
+A script's group restart (``restart_group``, what ``python -m
+monarch_nb.launch`` asks for): every rank that runs the script again does so
+in a new process, as torchrun restarts its whole worker group. A death (with
+respawns on) restarts every other rank with a process too, at the dead
+one's time, except those whose main thread runs an ``mnb.elastic`` loop
+(``RankInfo.elastic_loop``, from their heartbeats): they carry on in place
+and take the group's state over at the Reform. So does a lost host's spare
+host, and so does a Shrink: the ranks left restart at the smaller size
+(torchrun's new ``WORLD_SIZE``), but those in an elastic loop. A rank
+restarted so spends no budget: only the one that died does.
 
 Backoff, for crash loops only. A process that answered one of the user's
 calls (``Died.answered``: a result or its own error; a replayed ``--setup``
@@ -205,9 +219,11 @@ class Respawn:
 @dataclass(frozen=True)
 class Kill:
     """Stop a rank's process (mode ``all``: survivors are replaced too; a
-    user's restart). A ``Move(rank, DEAD)`` follows."""
+    user's restart; a script's group restart, ``reason`` saying why). A
+    ``Move(rank, DEAD)`` follows."""
 
     rank: int
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -341,6 +357,9 @@ class RestartPolicy:
     # elastic world size: the group goes on without ranks gone for good while
     # at least this many are left; None: it keeps every rank (see above)
     min_ranks: int | None = None
+    # a script's group restart (see above): a death restarts the other ranks
+    # too, but those in an mnb.elastic loop
+    restart_group: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("rank", "all", "off"):
@@ -400,7 +419,7 @@ class RestartPolicy:
         if self.mode == "off":
             self._gone(snap, (rank,), [Report(rank, f"rank {rank} died ({ev.cause}); respawn is "
                                               "off, the survivors carry on")],
-                       f"rank {rank} is not respawned (respawn is off)")
+                       f"rank {rank} is not respawned (respawn is off)", ev.now)
             return
         deaths = self.deaths[rank] = [t for t in self.deaths[rank] if ev.now - t < self.window] + [ev.now]
         if len(deaths) > self.budget:
@@ -414,7 +433,7 @@ class RestartPolicy:
                           f"%monarch logs {rank}), then %monarch restart {rank}")
                 why = (f"rank {rank} is not coming back (restart budget spent); "
                        f"%monarch restart {rank} brings it back")
-            self._gone(snap, (rank,), [GiveUp(rank, reason)], why)
+            self._gone(snap, (rank,), [GiveUp(rank, reason)], why, ev.now)
             return
         # backoff for crash loops only: a working process's death starts one afresh
         if ev.answered:
@@ -423,13 +442,24 @@ class RestartPolicy:
             self.loop[rank] = [t for t in self.loop[rank] if ev.now - t < self.window] + [ev.now]
         at = ev.now + self._delay(len(self.loop[rank]))
         self._wait(snap, rank, at)
-        if self.mode == "all":
-            for other in range(len(self.table)):
-                if other != rank and snap.state(other) not in _NO_PROCESS:
-                    snap.actions.append(Kill(other))
-                    snap.move(other, S.DEAD)
-                    self._wait(snap, other, at)
+        self._restart_others(snap, (rank,), at, f"rank {rank} died")
         self._timer(snap, ev.now)
+
+    def _restart_others(self, snap: _Snapshot, but: tuple[int, ...], at: float,
+                        why: str) -> None:
+        """Mode ``all``: every other rank with a process is restarted too
+        (due ``at``, with the dead one). A script's group restart: those
+        not in an mnb.elastic loop, which carry on in place."""
+        if self.mode == "off" or not (self.mode == "all" or self.restart_group):
+            return
+        for other in range(len(self.table)):
+            if other in but or snap.state(other) in _NO_PROCESS:
+                continue
+            if self.mode != "all" and self.table[other].elastic_loop:
+                continue
+            snap.actions.append(Kill(other, "" if self.mode == "all" else why))
+            snap.move(other, S.DEAD)
+            self._wait(snap, other, at)
 
     def _wait(self, snap: _Snapshot, rank: int, at: float) -> None:
         snap.move(rank, S.WAITING)
@@ -466,19 +496,24 @@ class RestartPolicy:
             self._gone(snap, tuple(lost), [
                 Report(rank, f"rank {rank} lost: host {ev.host} lost; " + lost_host_hint([rank]))
                 for rank in lost], (f"host {ev.host} lost with rank {format_ranks(lost)}, and "
-                                    "no spare host; " + lost_host_hint(lost)))
+                                    "no spare host; " + lost_host_hint(lost)), ev.now)
             return
         for rank in lost:
             snap.respawn(rank, host=ev.spare)
-        self._reform(snap)
+        if self.restart_group:  # a script's: its other ranks run the script again too
+            self._restart_others(snap, tuple(lost), ev.now, f"host {ev.host} lost")
+        if not self._timer(snap, ev.now):
+            self._reform(snap)
 
     def _gone(self, snap: _Snapshot, gone: tuple[int, ...], own: list[Action],
-              why: str) -> None:
+              why: str, now: float) -> None:
         """``gone`` will not come back until the user acts; ``own``: their
         own Report or GiveUp (which end their calls), ``why``: the reason.
         With ``min_ranks`` and enough ranks left the group goes on without
         them (Shrink first: an elastic call then records them lost, not
-        failed); else whoever waits for them is told (NotComingBack)."""
+        failed; a script's group restart restarts the others at the new
+        size, but those in an mnb.elastic loop); else whoever waits for
+        them is told (NotComingBack)."""
         left = snap.left()
         if self.min_ranks is None or len(left) < self.min_ranks:
             snap.actions.extend(own)
@@ -489,6 +524,11 @@ class RestartPolicy:
             return
         snap.actions.append(Shrink(left, gone, why))
         snap.actions.extend(own)
+        if self.restart_group:  # a script's: the others run it again at the new size
+            self._restart_others(snap, gone, now, f"the group goes on without rank "
+                                                  f"{format_ranks(gone)}")
+        if self._timer(snap, now):
+            return  # (its Reform forms the smaller group)
         if not any(snap.state(r) is S.WAITING for r in left):
             self._reform(snap)  # (else the Timer's Reform, once the backoff is over)
 
@@ -500,15 +540,17 @@ class RestartPolicy:
             group = snap.left()
         snap.actions.append(Reform(self.table.generation + 1, snap.members(), group))
 
-    def _timer(self, snap: _Snapshot, now: float) -> None:
+    def _timer(self, snap: _Snapshot, now: float) -> bool:
+        """Respawn the ranks due by ``now`` and re-form; whether it did."""
         due = sorted(r for r, at in self._due.items()
                      if at <= now and snap.state(r) is S.WAITING)
         if not due:
-            return
+            return False
         for rank in due:
             del self._due[rank]
             snap.respawn(rank)
         self._reform(snap)
+        return True
 
     def next_deadline(self) -> float | None:
         """When the controller should send the next Timer, if ever."""

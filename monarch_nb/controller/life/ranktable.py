@@ -54,6 +54,9 @@ class RankInfo:
     # the answer arrives, cleared for each new process.
     answered: bool = False
     health: dict[str, Any] = field(default_factory=dict)  # latest HEARTBEAT's (health.py)
+    # its main thread runs an mnb.elastic loop (its latest HEARTBEAT's "el"):
+    # a peer's death leaves it in place where a script's group restarts (policy.py)
+    elastic_loop: bool = False
     main_id: bytes = b""  # socket identities of the current process
     ctl_id: bytes = b""
 
@@ -207,6 +210,7 @@ class RankTable:
         info.busy_silent = False
         info.exitcode = None
         info.health = {}
+        info.elastic_loop = False
         info.start_error = ""
         info.answered = False
         info.started_at = info.last_heartbeat = time.monotonic()

@@ -323,6 +323,7 @@ class Recovery:
         """Carry the policy's actions out, in order: its moves through the
         rank table's methods, the rest with processes, sockets and calls."""
         self._notes = []  # said after the ranks' own lines (a Shrink's)
+        restarted: dict[str, list[int]] = {}  # why -> the ranks a group restart restarts
         for action in actions:
             if isinstance(action, Move):
                 self.ranks.move(action.rank, action.to)
@@ -337,7 +338,9 @@ class Recovery:
             elif isinstance(action, Shrink):
                 self._shrink(action)
             elif isinstance(action, Kill):
-                self._kill(action.rank)
+                self._kill(action.rank, action.reason)
+                if action.reason:  # a script's group restart: one line for its ranks
+                    restarted.setdefault(action.reason, []).append(action.rank)
             elif isinstance(action, Respawn):
                 self.ranks.respawning(action.rank, action.incarnation, action.host)
             elif isinstance(action, Reform):
@@ -346,20 +349,31 @@ class Recovery:
                 self._replace_stuck(action.rank, action.incarnation)
             elif isinstance(action, StartSpare):
                 self.supervisor.start_spare()
+        for why, ranks in restarted.items():
+            self._announce(f"monarch_nb: {why}: restarting rank {format_ranks(ranks)} too "
+                           "(every rank runs the script again in a new process, as torchrun "
+                           "restarts its workers)")
         for note in self._notes:
             self._announce(note)
 
-    def _kill(self, rank: int) -> None:
-        """Mode ``all`` or a user's restart: the process goes now (the
-        policy's Move DEAD follows); its exit is old news (the pidfd event
-        finds the rank without a process already)."""
+    def _kill(self, rank: int, reason: str = "") -> None:
+        """Mode ``all``, a user's restart, or a script's group restart
+        (``reason``: why): the process goes now (the policy's Move DEAD
+        follows); its exit is old news (the pidfd event finds the rank
+        without a process already)."""
         info = self.ranks[rank]
         proc = self.supervisor.procs.get(rank)
         if proc is None or info.state in GONE:
             return
         self.supervisor.kill_proc(proc)
         info.exitcode = -9
-        self.calls.fail(rank, self.died_error(info), coming_back=False)
+        # a group restart's call ends as the group changed, not as a crash of its own
+        error: MonarchError = (MembershipChanged(rank, (), f"restarted in a new process ({reason})")
+                               if reason else self.died_error(info))
+        if reason:
+            self.ranks.record(rank, EventKind.REPLACED,
+                              f"restarted in a new process with the group ({reason})")
+        self.calls.fail(rank, error, coming_back=False)
 
     def _give_up(self, action: GiveUp) -> None:
         rank = action.rank  # FAILED already: the policy's Move came first
