@@ -261,12 +261,14 @@ class CallTable:
         if rank in call.remaining:
             call.regrouped[rank] = generation
 
-    def take_back(self, call: PendingCall, rank: int) -> bool:
-        """``rank`` joins the running ``call`` again (a grow): its Lost entry
-        goes, it owes an answer. False if the call is over for its members."""
+    def take_back(self, call: PendingCall, rank: int, generation: int) -> bool:
+        """``rank`` joins the running ``call`` again (a grow), a member of
+        ``generation``: its Lost entry goes, it owes an answer. False if the
+        call is over for its members."""
         if rank not in call.growing or call.call_id not in self._calls or not call.remaining:
             return False
         call.growing.discard(rank)
+        call.regrouped[rank] = generation
         call.results.pop(rank, None)
         call.remaining.add(rank)
         call.progress_at = time.monotonic()

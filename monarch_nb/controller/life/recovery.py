@@ -483,7 +483,7 @@ class Recovery:
             return
         for rank in sorted(call.growing):
             info = self.ranks[rank]
-            if info.state is RankState.READY and self.calls.take_back(call, rank):
+            if info.state is RankState.READY and self.calls.take_back(call, rank, self.generation):
                 self.ranks.move(rank, RankState.BUSY)
                 self.io.send(info.main_id, call.frames)
                 self.ranks.record(rank, EventKind.REJOINED, f"call {call.call_id}, generation "
