@@ -227,6 +227,8 @@ GROW_DRIVER = '''
         out["events"] = [(e["kind"], e["rank"], e["detail"]) for e in mesh.events
                          if e["kind"] in ("shrunk", "grown", "rejoined")]
         out["grown_status"] = format_status(mesh)
+        out["timeline"] = [(round(e["time"] - out["add_at"], 2), e["rank"], e["kind"])
+                           for e in mesh.events if e["time"] >= out["add_at"]]
         print("IDLE", flush=True)
         out["lost_idle_at"] = float(sys.stdin.readline())
         until(lambda: mesh.group == (0, 1), "the group to shrink (idle)")
