@@ -26,6 +26,19 @@ re-formation or the state transfer (two ranks lost at once come back one
 backoff apart, each with a new generation) is handled the same way: wait for
 the next group, take the state again.
 
+The group grows back the same way, without breaking anything: while it is
+smaller than the mesh (ranks lost, ``min_ranks``) and the controller starts
+ranks again (a host given for lost ranks, a user's restart), each
+``state.commit()`` inside the loop asks, in one small all_reduce among the
+members, whether the REFORM for the larger group has reached any of them.
+If so, every member leaves at that same commit, joins the larger group, the
+ranks back take the committed state over it, and the function is
+re-entered at full size. The same question is asked once when the function
+returns, so a REFORM that came during the last steps still counts (the
+function is then re-entered with the final state, at the larger size). At
+full size a commit asks nothing: the check costs only while the group is
+smaller than the mesh.
+
 A survivor whose collective waits on *another survivor* (a ring) is released
 when that survivor leaves its group (gloo closes a group's connections once
 it is freed, which :func:`backends.leave_group` ensures). Should one still not
@@ -65,6 +78,7 @@ class State:
     _objects: dict[str, Any]
     _scalars: list[str]
     _snapshot: dict[str, Any]
+    _grow: Callable[[], bool] | None
     commits: int
 
     def __init__(self, **items: Any) -> None:
@@ -73,6 +87,7 @@ class State:
         object.__setattr__(self, "_objects", objects)
         object.__setattr__(self, "_scalars", list(scalars))
         object.__setattr__(self, "_snapshot", None)
+        object.__setattr__(self, "_grow", None)  # set by run() while its function runs
         object.__setattr__(self, "commits", 0)
         for k, v in {**scalars, **objects}.items():
             object.__setattr__(self, k, v)
@@ -87,6 +102,9 @@ class State:
         }
         object.__setattr__(self, "_snapshot", snap)
         object.__setattr__(self, "commits", snap["commits"])
+        if self._grow is not None and self._grow():
+            # the group grows back: every member leaves here, at this commit
+            raise _Regroup()
 
     def rollback(self) -> None:
         """Return to the last commit."""
@@ -148,7 +166,21 @@ def _loop(fn: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: d
             if sync:
                 _sync(state)
                 sync = False
-            return fn(state, *args, **kwargs)
+            object.__setattr__(state, "_grow", _grow_due)
+            try:
+                result = fn(state, *args, **kwargs)
+            finally:
+                object.__setattr__(state, "_grow", None)
+            if not _grow_due():
+                return result
+            raise _Regroup()  # a REFORM came during the last steps
+        except _Regroup as exc:
+            # the commit just taken is the state: no rollback; the
+            # frames of the old group's objects (DDP) are let go
+            traceback.clear_frames(exc.__traceback__)
+            gc.collect()
+            reform = True
+            continue
         except Exception as exc:
             retry = isinstance(exc, JoinFailed) or is_peer_loss(f"{type(exc).__name__} {exc}")
             if not retry or reforms >= max_reforms:
@@ -159,6 +191,29 @@ def _loop(fn: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: d
         gc.collect()
         state.rollback()
         reform = True
+
+
+class _Regroup(BaseException):  # (not Exception: a loop's own `except Exception` must not swallow it)
+    """The group grows back: leave it at this commit and join the larger one
+    (raised by State.commit inside run(), caught there)."""
+
+
+def _grow_due() -> bool:
+    """While the group is smaller than the mesh: did the REFORM of a larger
+    group reach any member? Asked of all of them at once (one all_reduce),
+    so that all leave at the same commit; at full size, False at no cost."""
+    state = _context._state
+    waiting = state.get("reform_waiting")
+    if waiting is None or int(state.get("world_size", 0)) >= int(state.get("mesh_size", 0)):
+        return False
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return False
+    flag = torch.tensor([1 if waiting() else 0], device=_context.device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _await_reform(timeout: float) -> int:

@@ -177,8 +177,8 @@ def lost_host_hint(ranks: Iterable[int]) -> str:
     """What to do for ranks whose host was lost and no spare took them: the
     one wording of the call error, the policy's report, ``%monarch status``
     and the dashboard."""
-    return (f"give the mesh a host (mesh.add_hosts('HOST')), then "
-            f"%monarch restart {format_ranks(ranks)}")
+    return (f"mesh.add_hosts('HOST') gives the mesh a host for rank {format_ranks(ranks)}: "
+            "they start there")
 
 
 def no_free_port(what: str) -> UsageError:

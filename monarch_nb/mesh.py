@@ -558,19 +558,25 @@ class Mesh(_RankSet):
                 ctl.pump(0.05)
 
     def add_hosts(self, hosts: Iterable[str] | str) -> None:
-        """Give the mesh spare hosts (ssh, slurm): a lost host's ranks start
-        on the first one at the next loss, or at ``mesh.restart()`` /
-        ``%monarch restart`` for ranks already lost, keeping their numbers."""
+        """Give the mesh hosts (ssh, slurm). Ranks already lost with their
+        host start on the first one now, keeping their numbers (a lost host
+        given again, as a SLURM node that returns, takes its own ranks back);
+        the group grows back with them, and a running ``mnb.elastic`` loop
+        (``%%monarch --elastic``) takes them at its next ``state.commit()``,
+        else they join at the next call. Hosts left over are spare hosts: a
+        lost host's ranks start on the first one at the next loss. Returns
+        at once; ``mesh.status()`` and ``mesh.events`` show them coming."""
         if isinstance(hosts, str):
             hosts = [h for h in hosts.split(",") if h]
         launcher = self._ctl.supervisor.launcher
         if not isinstance(launcher, agents.AgentLauncher):
             raise UsageError("add_hosts needs a mesh on several hosts (--launcher ssh or "
                              "slurm); this one runs on this machine")
-        busy = sorted(set(hosts) & set(launcher.hosts()))
+        busy = sorted(set(hosts) & set(launcher.busy_hosts()))
         if busy:
             raise UsageError(f"host(s) {', '.join(busy)} already run ranks of this mesh")
         launcher.add_hosts(list(hosts))
+        self._live().hosts_added()
 
     def restart(self, rank: int | str = "all") -> None:
         """Replace a rank (or ``"all"``) with a fresh process: same rank

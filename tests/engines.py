@@ -12,17 +12,20 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import itertools
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -111,6 +114,184 @@ def _netns_hosts(count: int) -> Iterator[Hosts]:
             _run("ip", "netns", "del", ns, check=False)
         for link in made_links:
             _run("ip", "link", "del", link, check=False)
+
+
+def pids_in(ns: str) -> list[int]:
+    """The processes in namespace ``ns`` (the namespaces share the pid namespace)."""
+    res = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
+    return [int(p) for p in res.stdout.split()]
+
+
+def lose_host(ns: str) -> None:
+    """The host goes, as on a real cluster: every process in its namespace
+    killed, then its network removed (and a killed agent's folder, which a
+    real lost host takes along)."""
+    victims = pids_in(ns)
+    assert victims, f"nothing runs on host {ns}"
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    subprocess.run(["ip", "netns", "del", ns], check=True, timeout=30)
+    for pid in victims:
+        for folder in Path("/tmp").glob(f"monarch-nb-agent-{pid}-*"):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+# The elastic world size across hosts, shrink then grow, driven step by step
+# (tests/test_netns_hosts.py, benchmarks/elastic.py). Run in the controller's
+# namespace: ``python driver.py HOSTS ADD ADD_IDLE MASTER BIND HOST_TIMEOUT``.
+# 4 CPU ranks on HOSTS (2 each), ``min_ranks=2``, an elastic training cell:
+# READY -> (the parent loses the second host, writes the time) -> the group
+# shrinks, 5 steps at world size 2, ``add_hosts(ADD)`` -> the cell goes on
+# until 20 steps at world size 4 after the grow -> IDLE -> (the parent loses
+# ADD, writes the time) -> shrunk with no call running, ``add_hosts(ADD_IDLE)``,
+# until all 4 ranks are ready, then the cell's set-up on them (with the wait,
+# the cold start of the added ranks), a call at world size 4 -> RESULT {json}.
+# Times are wall clock (one machine).
+GROW_DRIVER = '''
+    import json, os, sys, time
+    from monarch_nb import Mesh
+    from monarch_nb.ui.status import format_status
+
+    hosts, add, add_idle, master, bind, host_timeout = sys.argv[1:7]
+    os.environ["MONARCH_NB_SSH"] = "ip netns exec {host} sh -c"
+    SETUP = """
+    import hashlib, time, torch, torch.distributed as dist, monarch_nb as mnb
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = mnb.elastic.State(model=model, optimizer=opt, step=0, small=0, after=0)
+    sizes = []  # (world size, wall time of its first step), each time it changes
+    """
+    TRAIN = SETUP + """
+    @mnb.elastic.run(state)
+    def train(state):
+        while state.after < 20 and state.step < 100000:
+            opt.zero_grad()
+            model(torch.ones(8, 4) * (mnb.rank() + 1)).sum().backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+            opt.step()
+            world = dist.get_world_size()
+            state.step += 1
+            if world < 4:
+                state.small += 1
+            elif state.small:
+                state.after += 1
+            state.commit()
+            if not sizes or sizes[-1][0] != world:
+                sizes.append((world, time.time()))
+            mnb.log(step=state.step, small=state.small)
+            time.sleep(0.05)
+        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
+                                         for p in model.parameters())).hexdigest()
+        return {"hash": digest, "step": state.step, "rank": mnb.rank(),
+                "world": mnb.world_size(), "sizes": sizes}
+
+    train()
+    """
+
+    def numbers():
+        import monarch_nb as mnb
+        return mnb.mesh_rank(), mnb.rank(), mnb.world_size()
+
+    def until(cond, what, timeout=180):
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise TimeoutError(what)
+            time.sleep(0.02)
+
+    mesh = Mesh.start(n=4, backend="cpu", launcher="ssh", hosts=hosts, bind=bind,
+                      master_addr=master, start_timeout=120, host_timeout=float(host_timeout),
+                      min_ranks=2)
+    out = {}
+    try:
+        future = mesh.exec(TRAIN, elastic=True, block=False)
+        until(lambda: min(r["step"] or 0 for r in mesh.status()) >= 5, "the loop to run")
+        assert not future.done(), future.result()
+        print("READY", flush=True)
+        out["lost_at"] = float(sys.stdin.readline())  # the host is gone now
+        until(lambda: mesh.group == (0, 1), "the group to shrink")
+        out["shrunk_status"] = format_status(mesh)
+        until(lambda: mesh.metrics.last(0).get("small", 0) >= 5, "5 steps at world size 2")
+        out["add_at"] = time.time()
+        mesh.add_hosts(add)
+        got = future.result(timeout=300)
+        out["lost"] = list(got.lost)
+        out["results"] = dict(got.items())
+        out["group"] = list(mesh.group)
+        out["torch_ranks"] = [r["torch_rank"] for r in mesh.status()]
+        out["events"] = [(e["kind"], e["rank"], e["detail"]) for e in mesh.events
+                         if e["kind"] in ("shrunk", "grown", "rejoined")]
+        out["grown_status"] = format_status(mesh)
+        out["timeline"] = [(round(e["time"] - out["add_at"], 2), e["rank"], e["kind"])
+                           for e in mesh.events if e["time"] >= out["add_at"]]
+        print("IDLE", flush=True)
+        out["lost_idle_at"] = float(sys.stdin.readline())
+        until(lambda: mesh.group == (0, 1), "the group to shrink (idle)")
+        out["add_idle_at"] = time.time()
+        mesh.add_hosts(add_idle)
+        until(lambda: all(r["state"] == "ready" for r in mesh.status()), "ranks 2,3 back (idle)")
+        out["ready_idle_at"] = time.time()
+        # what a new process of the cell does before its first step: the
+        # cell's set-up (its first optimizer imports torch._dynamo, ...)
+        mesh.ranks("2,3").exec(SETUP, timeout=120)
+        out["setup_s"] = time.time() - out["ready_idle_at"]
+        out["next"] = mesh.run(numbers, timeout=60)
+        out["sum"] = mesh.exec("import torch, torch.distributed as dist\\n"
+                               "x = torch.ones(1)\\ndist.all_reduce(x)\\nx.item()", timeout=60)
+    finally:
+        mesh.stop()
+    print("RESULT " + json.dumps(out, default=str), flush=True)
+'''
+
+
+def run_grow_driver(hosts: Hosts, folder: Path, root: Path, *, host: int, add: int,
+                    add_idle: int, host_timeout: float = 3.0) -> dict[str, Any]:
+    """:data:`GROW_DRIVER` on namespaces ``hosts.names``: the controller in
+    names[0], ranks on names[1] and names[``host``] (lost mid-cell); hosts
+    names[``add``] (given mid-cell, lost later with no call running) and
+    names[``add_idle``] (given then). Its RESULT; stops nothing of its own."""
+    driver = folder / "grow_driver.py"
+    driver.write_text(textwrap.dedent(GROW_DRIVER))
+    names = hosts.names
+    errfile = open(folder / "grow_driver.err", "w+")  # not a pipe: read after the end
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", names[0], sys.executable, str(driver), f"{names[1]},{names[host]}",
+         names[add], names[add_idle], hosts.addrs[1], hosts.addrs[0], f"{host_timeout:g}"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errfile, text=True,
+        env=dict(os.environ, PYTHONPATH=str(root)), cwd=folder)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        for mark, victim in (("READY", names[host]), ("IDLE", names[add])):
+            line = ""
+            for line in proc.stdout:
+                if line.startswith(mark):
+                    break
+            if not line.startswith(mark):
+                proc.wait(60)
+                errfile.seek(0)
+                raise AssertionError(f"the driver did not reach {mark}:\n{errfile.read()[-4000:]}")
+            lost_at = time.time()
+            lose_host(victim)
+            proc.stdin.write(f"{lost_at!r}\n")
+            proc.stdin.flush()
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        errfile.seek(0)
+        err = errfile.read()
+        errfile.close()
+    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    if not lines:
+        raise AssertionError(f"the driver failed ({proc.returncode}):\n{out}\n{err[-4000:]}")
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT "):])
+    return result
 
 
 @contextlib.contextmanager

@@ -229,11 +229,10 @@ def test_the_dashboard_names_a_lost_host(monkeypatch: pytest.MonkeyPatch) -> Non
                 page.wait_for_selector(".mnb-hosts.on", timeout=30_000)
                 text = page.inner_text(".mnb-hosts")
                 assert "host hB lost with rank 2,3" in text, text
-                assert "give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 2,3" \
+                assert "mesh.add_hosts('HOST') gives the mesh a host for rank 2,3: they start there" \
                     in text, text
                 assert page.get_attribute(".mnb-tile[data-rank='2']", "data-state") == "lost"
-                mesh.add_hosts("hC")
-                mesh.restart("2,3")
+                mesh.add_hosts("hC")  # ranks 2,3 start there
                 wait_for(lambda: all(s["state"] == "ready" for s in mesh.status()), timeout=90,
                          what="ranks 2,3 back on hC")
                 page.evaluate("(m) => window.feed(m)", feed.next())

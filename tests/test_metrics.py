@@ -257,7 +257,7 @@ def test_a_lost_host_is_sent_once_worded_as_status_words_it() -> None:
     m = feed.next()
     assert m is not None and m["lost"] == [{
         "host": "hB", "ranks": "2,3",
-        "hint": "give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 2,3"}]
+        "hint": "mesh.add_hosts('HOST') gives the mesh a host for rank 2,3: they start there"}]
     assert feed.next() is None  # unchanged: not sent again
     rows = _rows(4, "ready")
     m = feed.next()

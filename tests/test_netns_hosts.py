@@ -8,15 +8,15 @@ group answers a collective again; nothing is left in any namespace.
 Without a spare host, an elastic training cell running when the host is
 lost ends within ``host_timeout`` + 2 s with an error naming the host, and
 the survivors answer the next call; with ``min_ranks`` it carries on at the
-smaller world size instead.
+smaller world size instead, and grows back to the full size in the same
+running cell when a host is given (``mesh.add_hosts``), or at the next call
+when none runs.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from .engines import Hosts, netns_hosts
+from .engines import Hosts, lose_host, netns_hosts, pids_in, run_grow_driver
 
 pytestmark = pytest.mark.netns
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,8 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[Hosts]:
     # controller, host A, host B, spare host C; host D (lost without a spare)
-    # and host E (lost without a spare, the group shrinking): each test loses its own
-    with netns_hosts(6) as h:
+    # and host E (lost without a spare, the group shrinking): each test loses its
+    # own; hosts F (lost), G (given, then lost), H (given): the group growing back
+    with netns_hosts(9) as h:
         yield h
 
 
@@ -80,26 +81,6 @@ DRIVER = """
 """
 
 
-def _lose_host(ns: str) -> None:
-    """The host goes: its processes, then its network."""
-    victims = _pids_in(ns)
-    assert victims, f"nothing runs on host {ns}"
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    subprocess.run(["ip", "netns", "del", ns], check=True, timeout=30)
-    for pid in victims:  # a killed agent's folder (a real lost host takes it along)
-        for folder in Path("/tmp").glob(f"monarch-nb-agent-{pid}-*"):
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def _pids_in(ns: str) -> list[int]:
-    res = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
-    return [int(p) for p in res.stdout.split()]
-
-
 def test_a_lost_host_comes_back_on_the_spare_host(hosts: Hosts, tmp_path: Path) -> None:
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(DRIVER))
@@ -116,7 +97,7 @@ def test_a_lost_host_comes_back_on_the_spare_host(hosts: Hosts, tmp_path: Path) 
             if line.startswith("READY"):
                 break
         assert line.startswith("READY"), "the mesh did not start"
-        _lose_host(b)
+        lose_host(b)
         proc.stdin.write("lost\n")
         proc.stdin.flush()
         out, _ = proc.communicate(timeout=180)
@@ -134,7 +115,7 @@ def test_a_lost_host_comes_back_on_the_spare_host(hosts: Hosts, tmp_path: Path) 
     assert any(f"host {b} lost" in d for d in result["died"]), result["died"]
     print(f"lost host: ranks back on the spare host in {result['back_s']} s")
     for ns in (hosts.names[0], a, c):  # the mesh stopped: nothing left anywhere
-        assert _pids_in(ns) == [], ns
+        assert pids_in(ns) == [], ns
 
 
 ELASTIC_DRIVER = '''
@@ -215,7 +196,7 @@ def test_a_lost_host_without_a_spare_ends_a_running_elastic_call(hosts: Hosts,
                 break
         assert line.startswith("READY"), "the mesh did not start"
         lost_at = time.time()
-        _lose_host(d)
+        lose_host(d)
         proc.stdin.write("lost\n")
         proc.stdin.flush()
         out, _ = proc.communicate(timeout=180)
@@ -235,7 +216,7 @@ def test_a_lost_host_without_a_spare_ends_a_running_elastic_call(hosts: Hosts,
     assert result["next"] == {"0": "here", "1": "here"}, result
     assert result["states"] == ["ready", "ready", "lost", "lost"], result
     for ns in (hosts.names[0], a):  # the mesh stopped: nothing left anywhere
-        assert _pids_in(ns) == [], ns
+        assert pids_in(ns) == [], ns
 
 
 SHRINK_DRIVER = '''
@@ -315,7 +296,7 @@ def test_a_lost_host_without_a_spare_shrinks_the_group_with_min_ranks(hosts: Hos
                 break
         assert line.startswith("READY"), "the mesh did not start"
         lost_at = time.time()
-        _lose_host(d)
+        lose_host(d)
         proc.stdin.write("lost\n")
         proc.stdin.flush()
         out, _ = proc.communicate(timeout=240)
@@ -338,4 +319,48 @@ def test_a_lost_host_without_a_spare_shrinks_the_group_with_min_ranks(hosts: Hos
     assert result["states"] == ["ready", "ready", "lost", "lost"], result
     assert result["group"] == [0, 1] and result["next"] == {"0": "here", "1": "here"}, result
     for ns in (hosts.names[0], a):
-        assert _pids_in(ns) == [], ns
+        assert pids_in(ns) == [], ns
+
+
+@pytest.mark.timeout(600)
+def test_a_host_given_later_grows_the_group_back_into_the_running_cell(hosts: Hosts,
+                                                                     tmp_path: Path) -> None:
+    """``min_ranks=2``, no spare host, an elastic cell running on hosts A and
+    F: F is lost, ranks 0,1 go on at world size 2; ``mesh.add_hosts(G)``
+    while the same cell runs starts ranks 2,3 on G and they join the loop at
+    its next commit: the cell finishes at world size 4, every rank with the
+    same model (hashed), no rank lost. Then, with no call running, G is lost
+    (the group shrinks) and ``mesh.add_hosts(H)`` brings ranks 2,3 back for
+    the next call, which runs at world size 4 (tests/engines.py GROW_DRIVER)."""
+    a, h = hosts.names[1], hosts.names[8]
+    result = run_grow_driver(hosts, tmp_path, ROOT, host=6, add=7, add_idle=8)
+    # shrunk while the cell ran: the status said so
+    assert "world size now: 2 of 4 (rank 0,1; the group went on without rank 2,3)" in \
+        result["shrunk_status"], result["shrunk_status"]
+    # grown back into the same cell: every rank finished at world size 4, same model
+    assert result["lost"] == [], result
+    outs = result["results"]
+    assert sorted(outs) == ["0", "1", "2", "3"], result
+    assert len({o["hash"] for o in outs.values()}) == 1, outs
+    assert len({o["step"] for o in outs.values()}) == 1, outs
+    assert [(o["rank"], o["world"]) for o in (outs[str(r)] for r in range(4))] == [
+        (r, 4) for r in range(4)], outs
+    for r in ("0", "1"):  # the survivors: 4, then 2, then 4 again
+        assert [w for w, _ in outs[r]["sizes"]] == [4, 2, 4], outs[r]
+    assert [w for w, _ in outs["2"]["sizes"]] == [4], outs["2"]  # the new process: 4 only
+    assert result["group"] == [0, 1, 2, 3] and result["torch_ranks"] == [0, 1, 2, 3], result
+    kinds = [k for k, _, _ in result["events"]]
+    assert kinds[:2] == ["shrunk", "grown"] and kinds.count("rejoined") == 2, result["events"]
+    assert result["events"][1][2] == "world size 4: rank 0-3 (rank 2,3 back) (whole again)"
+    assert "world size now" not in result["grown_status"], result["grown_status"]
+    lost_to_small = outs["0"]["sizes"][1][1] - result["lost_at"]
+    add_to_full = outs["0"]["sizes"][2][1] - result["add_at"]
+    cold = result["ready_idle_at"] - result["add_idle_at"] + result["setup_s"]
+    print(f"host lost: first step at world size 2 {lost_to_small:.2f} s later (host_timeout "
+          f"3 s); add_hosts: first step at world size 4 {add_to_full:.2f} s later (cold start "
+          f"of the added ranks, no call running, to ready and the cell's set-up done: {cold:.2f} s)")
+    # with no call running: back for the next call, at world size 4
+    assert result["next"] == {str(r): [r, r, 4] for r in range(4)}, result
+    assert result["sum"] == {str(r): 4.0 for r in range(4)}, result
+    for ns in (hosts.names[0], a, h):  # the mesh stopped: nothing left anywhere
+        assert pids_in(ns) == [], ns

@@ -15,6 +15,8 @@ from monarch_nb.controller.life.policy import (
     Action,
     Died,
     GiveUp,
+    Grow,
+    HostAdded,
     HostLost,
     Kill,
     Move,
@@ -298,10 +300,10 @@ def test_the_policy_decides_from_the_table_not_from_a_copy_of_its_own() -> None:
 def test_host_lost_without_spare_moves_its_ranks_to_lost_without_spending_budget() -> None:
     s = Script(4, budget=1)
     acts = s.handle(HostLost("h1", (1, 2), now=5.0))
-    assert acts == [Move(1, S.LOST), Move(2, S.LOST), Report(1, "rank 1 lost: host h1 lost; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 1"),
-                    Report(2, "rank 2 lost: host h1 lost; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 2"),
+    assert acts == [Move(1, S.LOST), Move(2, S.LOST), Report(1, "rank 1 lost: host h1 lost; mesh.add_hosts('HOST') gives the mesh a host for rank 1: they start there"),
+                    Report(2, "rank 2 lost: host h1 lost; mesh.add_hosts('HOST') gives the mesh a host for rank 2: they start there"),
                     # no re-formation brings them back: whoever waits for one is told now
-                    NotComingBack((1, 2), "host h1 lost with rank 1,2, and no spare host; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 1,2")]
+                    NotComingBack((1, 2), "host h1 lost with rank 1,2, and no spare host; mesh.add_hosts('HOST') gives the mesh a host for rank 1,2: they start there")]
     assert s.states() == [S.READY, S.LOST, S.LOST, S.READY]
     # gone, awaiting a host (a user's restart): calls to it are refused, not held
     assert s.t.gone_for_good(1) and not s.t.coming_back(1) and not s.t.reform_pending()
@@ -343,8 +345,8 @@ def test_host_lost_for_ranks_already_dead() -> None:
     s.handle(Died(1, now=0.1))  # again: WAITING out a backoff
     assert s.states()[:2] == [S.FAILED, S.WAITING] and s.p.next_deadline() is not None
     acts = s.handle(HostLost("h1", (0, 1), now=0.2))
-    assert acts == [Move(1, S.LOST), Report(1, "rank 1 lost: host h1 lost; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 1"),
-                    NotComingBack((1,), "host h1 lost with rank 1, and no spare host; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 1")]
+    assert acts == [Move(1, S.LOST), Report(1, "rank 1 lost: host h1 lost; mesh.add_hosts('HOST') gives the mesh a host for rank 1: they start there"),
+                    NotComingBack((1,), "host h1 lost with rank 1, and no spare host; mesh.add_hosts('HOST') gives the mesh a host for rank 1: they start there")]
     assert s.states()[:2] == [S.FAILED, S.LOST] and s.p.next_deadline() is None
     assert s.handle(Timer(now=99.0)) == []
     assert s.handle(HostLost("h1", (0, 1), now=1.0)) == []  # lost twice: once is news
@@ -362,9 +364,9 @@ def test_host_lost_during_a_respawn_or_a_kill() -> None:
     s.handle(Died(0, now=0.0))  # RESPAWNING
     s.t.move(1, S.DYING)  # we sent it a KILL, its exit not seen yet
     acts = s.handle(HostLost("h1", (0, 1), now=1.0))
-    assert acts == [Move(0, S.LOST), Move(1, S.LOST), Report(0, "rank 0 lost: host h1 lost; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 0"),
-                    Report(1, "rank 1 lost: host h1 lost; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 1"),
-                    NotComingBack((0, 1), "host h1 lost with rank 0,1, and no spare host; give the mesh a host (mesh.add_hosts('HOST')), then %monarch restart 0,1")]
+    assert acts == [Move(0, S.LOST), Move(1, S.LOST), Report(0, "rank 0 lost: host h1 lost; mesh.add_hosts('HOST') gives the mesh a host for rank 0: they start there"),
+                    Report(1, "rank 1 lost: host h1 lost; mesh.add_hosts('HOST') gives the mesh a host for rank 1: they start there"),
+                    NotComingBack((0, 1), "host h1 lost with rank 0,1, and no spare host; mesh.add_hosts('HOST') gives the mesh a host for rank 0,1: they start there")]
     assert s.handle(Died(1, now=1.1, incarnation=0)) == []
 
 
@@ -617,14 +619,51 @@ def test_a_host_lost_without_a_spare_shrinks_the_group() -> None:
     s = Script(4, min_ranks=2)
     acts = s.handle(HostLost("hB", (2, 3), now=5.0))
     assert acts[:3] == [Move(2, S.LOST), Move(3, S.LOST), Shrink((0, 1), (2, 3), (
-        "host hB lost with rank 2,3, and no spare host; give the mesh a host "
-        "(mesh.add_hosts('HOST')), then %monarch restart 2,3"))]
+        "host hB lost with rank 2,3, and no spare host; mesh.add_hosts('HOST') gives "
+        "the mesh a host for rank 2,3: they start there"))]
     assert [type(a) for a in acts[3:]] == [Report, Report, Reform]
     assert acts[-1] == Reform(1, (0, 1), group=(0, 1))
     # a host back (a user's restart): the ranks rejoin, the group is whole again
     acts = s.handle(RestartRequested((2, 3), now=9.0))
-    assert acts[-1] == Reform(2, (0, 1, 2, 3), group=(0, 1, 2, 3)) and s.t.group == (0, 1, 2, 3)
+    assert acts[-2:] == [Grow((0, 1, 2, 3), (2, 3)), Reform(2, (0, 1, 2, 3), group=(0, 1, 2, 3))]
+    assert s.t.group == (0, 1, 2, 3)
     assert [s.t.torch_rank(r) for r in range(4)] == [0, 1, 2, 3]
+
+
+def test_a_host_given_for_lost_ranks_grows_the_group_back() -> None:
+    s = Script(4, budget=1, min_ranks=2)
+    s.handle(HostLost("hB", (2, 3), now=5.0))
+    assert s.t.group == (0, 1) and s.t.generation == 1
+    # mesh.add_hosts("hC"): the lost ranks start there, keeping their numbers,
+    # and the group takes them back (Grow) at the Reform that starts them
+    acts = s.handle(HostAdded("hC", (2, 3), now=9.0))
+    assert acts == [Respawn(2, 1, "hC"), Respawn(3, 1, "hC"), Grow((0, 1, 2, 3), (2, 3)),
+                    Reform(2, (0, 1, 2, 3), group=(0, 1, 2, 3))]
+    assert s.t.group == (0, 1, 2, 3) and [s.t[r].host for r in (2, 3)] == ["hC", "hC"]
+    assert s.p.deaths[2] == [] and s.p.deaths[3] == []  # no budget spent on a lost host
+    # a second host for the same ranks: they are back already, nothing to do
+    s.ready(2)
+    s.ready(3)
+    assert s.handle(HostAdded("hD", (2, 3), now=10.0)) == []
+
+
+def test_a_host_given_takes_only_the_ranks_still_lost() -> None:
+    s = Script(4, budget=0, min_ranks=1)
+    s.handle(HostLost("hB", (2, 3), now=5.0))
+    s.handle(Died(1, now=6.0))  # FAILED: not the host's business
+    s.handle(RestartRequested((3,), now=7.0))  # the user restarted rank 3 already
+    assert [s.state(r) for r in (1, 2, 3)] == [S.FAILED, S.LOST, S.RESPAWNING]
+    acts = s.handle(HostAdded("hC", (1, 2, 3), now=8.0))
+    assert acts == [Respawn(2, 1, "hC"), Grow((0, 2, 3), (2,)), Reform(4, (0, 2, 3), group=(0, 2, 3))]
+
+
+def test_a_host_given_without_min_ranks_restarts_the_lost_ranks_in_the_same_group() -> None:
+    s = Script(4)
+    acts = s.handle(HostLost("hB", (2, 3), now=5.0))
+    assert isinstance(acts[-1], NotComingBack)
+    acts = s.handle(HostAdded("hB", (2, 3), now=9.0))  # the host itself is back
+    assert acts == [Respawn(2, 1, "hB"), Respawn(3, 1, "hB"), Reform(1, (0, 1, 2, 3))]
+    assert s.t.group == (0, 1, 2, 3)
 
 
 def test_respawn_off_with_min_ranks_shrinks_too() -> None:

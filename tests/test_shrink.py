@@ -208,3 +208,48 @@ def test_min_ranks_is_checked_before_anything_starts() -> None:
         Mesh.start(n=2, backend="cpu", min_ranks=3)
     with pytest.raises(UsageError, match="min_ranks"):
         Mesh.start(n=2, backend="cpu", min_ranks=0)
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_past_its_budget_shrinks_then_grows_back_into_the_running_loop() -> None:
+    """restart_budget=1: rank 2 killed once comes back (the loop goes on at
+    world size 3), killed again it has spent its budget and the group goes
+    on at world size 2; ``mesh.restart(2)`` while the same elastic loop runs
+    grows it back: the loop takes rank 2 at its next commit and finishes at
+    world size 3, with the same model on every rank (rank 2's included)."""
+    with Mesh.start(n=3, backend="cpu", restart_budget=1, min_ranks=2) as mesh:
+        steps = 400
+        fut = mesh.exec_async(_train(steps, 0.02), elastic=True)
+        wait_for(lambda: min(_step(mesh, r) for r in range(3)) >= 5, timeout=60,
+                 what="the training loop to run")
+        mesh.kill(2)  # respawned: its budget of one is spent now
+        wait_for(lambda: mesh.status()[2]["incarnation"] == 1 and _step(mesh, 2) >= 5,
+                 timeout=60, what="rank 2 back in the loop")
+        mesh.kill(2)  # past its budget: the group goes on without it
+        wait_for(lambda: mesh.group == (0, 1), timeout=30, what="the group to shrink")
+        assert mesh.status()[2]["state"] == "failed"
+        before = _step(mesh, 0)
+        wait_for(lambda: _step(mesh, 0) >= before + 5, timeout=60,
+                 what="the loop to go on at world size 2")
+        assert not fut.done() and before + 5 < steps
+        grown_at = time.time()
+        mesh.restart(2)  # capacity back: it joins the running loop at its next commit
+        wait_for(lambda: mesh.group == (0, 1, 2), timeout=30, what="the group to grow")
+        got = _outcome(fut, 120, "the elastic call after rank 2 came back")
+        assert not isinstance(got, BaseException), repr(got)
+        assert sorted(got) == [0, 1, 2] and got.lost == (), got
+        first = got[0]["params"]
+        for r in range(3):
+            out = got[r]
+            assert out["step"] == steps and (out["rank"], out["world"]) == (r, 3) == out["dist"]
+            assert all(torch.equal(a, b) for a, b in zip(out["params"], first, strict=True)), r
+        assert 2 in got[0]["first_step_at"] and 2 not in got[2]["first_step_at"]
+        back = got[2]["first_step_at"][3] - grown_at
+        print(f"\nrank 2 restarted into the running loop: its first step {back:.2f} s later")
+        kinds = [e["kind"] for e in mesh.events]
+        assert kinds.count("shrunk") == 1 and kinds.count("grown") == 1, kinds
+        (grown,) = [e for e in mesh.events if e["kind"] == "grown"]
+        assert grown["detail"] == "world size 3: rank 0-2 (rank 2 back) (whole again)", grown
+        assert any(e["kind"] == "rejoined" and e["rank"] == 2 for e in mesh.events), kinds
+        assert [r["torch_rank"] for r in mesh.status()] == [0, 1, 2]
+        assert "world size now" not in format_status(mesh)

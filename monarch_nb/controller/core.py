@@ -251,6 +251,10 @@ class Controller:
     def restart(self, ranks: tuple[int, ...]) -> None:
         self.recovery.restart(ranks)
 
+    def hosts_added(self) -> None:
+        """Hosts were given (mesh.add_hosts): lost ranks start there (thread-safe)."""
+        self.recovery.hosts_added()
+
     def kill(self, rank: int, sig: int) -> None:
         """Send ``sig`` to ``rank`` (thread-safe; fault injection): KILL or
         TERM make it DYING before the next call is sent (recovery.py)."""

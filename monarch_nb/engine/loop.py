@@ -113,7 +113,7 @@ class Worker:
         # the group across re-formations, and the messages read ahead while
         # waiting for one (served first, in order: see serve)
         self.members = Membership(env, self.main, self.main_codec, self.dropped,
-                                  self._send_main)
+                                  self._send_main, lambda: self.running_call)
         self.finished: collections.deque[int] = collections.deque(maxlen=4096)
         # Shared memory with the controller (wire/shm.py): only a rank on its
         # controller's host, which knows the controller's pid, uses it. The
@@ -154,7 +154,8 @@ class Worker:
             rank=env.rank, world_size=env.world_size, mesh_rank=env.mesh_rank,
             local_rank=env.local_rank,
             incarnation=env.incarnation, backend=env.backend, generation=env.generation,
-            await_reform=self.members.await_reform,
+            await_reform=self.members.await_reform, mesh_size=env.mesh_size,
+            reform_waiting=self.members.reform_waiting,
         )
         log = sys.stdout
         sys.stdout = RankStream("stdout", self.output, log)

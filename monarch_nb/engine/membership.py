@@ -14,6 +14,12 @@ rank numbers in the order of their torch ranks, and this rank joins as its
 place among them (dense torch ranks 0..k-1, ``RANK`` and ``WORLD_SIZE`` to
 match); ``mnb.mesh_rank()`` keeps the mesh's number.
 
+The group may grow back too (ranks started again: a host given for lost
+ranks): survivors inside an ``mnb.elastic`` loop take the REFORM at their
+next ``state.commit()`` (:meth:`reform_waiting`, asked by mnb.elastic), and
+say in REFORMED which call they re-formed inside, so the controller gives
+that call to the ranks back only when the survivors wait for them in it.
+
 A join can be overtaken: a member that dies while the group forms makes
 the controller send a newer REFORM, and the join in progress is abandoned
 for it (backends.JoinAborted). A call that failed because a peer left
@@ -49,8 +55,10 @@ class Membership:
     waits for a REFORM (the worker reads it otherwise)."""
 
     def __init__(self, env: RankEnv, channel: MainChannel, codec: Codec,
-                 dropped: collections.Counter[str], send: Callable[..., None]) -> None:
+                 dropped: collections.Counter[str], send: Callable[..., None],
+                 running_call: Callable[[], int] = lambda: 0) -> None:
         self.env = env
+        self.running_call = running_call  # the call on the main thread now (0: none)
         self.channel = channel
         self.codec = codec
         self.dropped = dropped
@@ -133,6 +141,20 @@ class Membership:
                                            int(meta_of(m, Kind.REFORM).get("generation", 0)) > generation)
                    for m in self.pending)
 
+    def reform_waiting(self) -> bool:
+        """For mnb.elastic at a commit: has a REFORM newer than this rank's
+        group arrived (the group grows back: the controller does not break
+        the running group for it)? Reads ahead what is on the main channel,
+        kept in order; never waits."""
+        generation = int(_context._state.get("generation", 0))
+        while self.channel.poll(0):
+            got = self.channel.recv(self.codec, self.dropped)
+            if got is not None:
+                self.pending.append(got)
+        return any(m.kind == Kind.REFORM and
+                   int(meta_of(m, Kind.REFORM).get("generation", 0)) > generation
+                   for m in self.pending)
+
     def superseded(self, generation: int, grace: float = SUPERSEDE_GRACE_S) -> bool:
         """After a failed join: does a newer REFORM (or a STOP) come? The
         controller replaces a member that was still starting (its store host
@@ -160,7 +182,8 @@ class Membership:
         rank, world = self.place(meta.get("members"))
         # "out of the old collective, joining": the controller stops waiting
         # for this survivor before the (slower) join completes
-        self.send(Kind.REFORMED, meta={"generation": generation, "joining": True})
+        self.send(Kind.REFORMED, meta={"generation": generation, "joining": True,
+                                       "call": self.running_call()})
         error = ""
         try:
             leave_group()

@@ -582,9 +582,20 @@ class AgentLauncher:
             return spare
 
     def add_hosts(self, hosts: list[str]) -> None:
-        """More spare hosts (``mesh.add_hosts``)."""
+        """More hosts (``mesh.add_hosts``): a host of the placement that was
+        lost is back (a SLURM node that returns: its lost agent is forgotten,
+        the next start there makes a new one); any other is a spare host."""
         with self._lock:
-            self.spare_hosts.extend(h for h in hosts if h not in self.spare_hosts)
+            for host in hosts:
+                agent = self.agents.get(host)
+                if host in self.inner.nodes and agent is not None and agent.lost:
+                    del self.agents[host]
+                elif host not in self.spare_hosts:
+                    self.spare_hosts.append(host)
+
+    def busy_hosts(self) -> list[str]:
+        """The hosts of the placement not lost: ones that run ranks now."""
+        return [h for h in self.inner.nodes if not self.host_lost(h)]
 
     def detach(self) -> None:
         """A kept mesh's controller lets go: its agent keeps the ranks."""

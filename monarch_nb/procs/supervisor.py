@@ -423,6 +423,16 @@ class Supervisor:
         return [r for r, p in self.procs.items() if isinstance(p.popen, RemoteRank)
                 and p.popen.agent.host == host]
 
+    def host_for(self, lost: str) -> str | None:
+        """Where the ranks lost with host ``lost`` start now: ``lost`` itself
+        when it was given back (``mesh.add_hosts``: a node that returns),
+        else a spare host, if the launcher has one."""
+        if not isinstance(self.launcher, AgentLauncher):
+            return None
+        if not self.launcher.host_lost(lost) and lost in self.launcher.hosts():
+            return lost
+        return self.launcher.replace_host(lost)
+
     def replacement_host(self, lost: str) -> str | None:
         """The spare host that takes ``lost``'s ranks, if the launcher has one."""
         if not isinstance(self.launcher, AgentLauncher):

@@ -113,6 +113,9 @@ class ReformedMeta(TypedDict, total=False):
     generation: int
     joining: bool
     error: str
+    # the call this member re-formed inside (mnb.elastic at a commit; 0: between
+    # calls): the ranks the group took back join that call (a grow)
+    call: int
 
 
 class InputMeta(TypedDict, total=False):

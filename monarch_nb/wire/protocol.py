@@ -94,7 +94,7 @@ class Kind(str, enum.Enum):
     STACKS_REPLY = "stacks_reply"  # answer to STACKS (meta: threads, busy)
     REFORM = "reform"  # leave the group, join a new generation on a new port
     # (meta: generation, port)
-    REFORMED = "reformed"  # answer to REFORM (meta: generation, joining, error)
+    REFORMED = "reformed"  # answer to REFORM (meta: generation, joining, error, call)
     METRICS = "metrics"  # batched mnb.log points (meta: n; payload: metricframes JSON)
     INPUT = "input"  # a line typed for a rank's debugger (meta: text)
     PROMPT = "prompt"  # a rank's debugger waits for a line (meta: prompt)
@@ -167,7 +167,7 @@ META: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.INTERRUPTED: {"where": _S},
     Kind.STACKS_REPLY: {"threads": _L, "busy": _I},
     Kind.REFORM: {"generation": _I, "port": _I, "addr": _S, "members": _L},
-    Kind.REFORMED: {"generation": _I, "joining": _B, "error": _S},
+    Kind.REFORMED: {"generation": _I, "joining": _B, "error": _S, "call": _I},
     Kind.INPUT: {"text": _S},
     Kind.PROMPT: {"prompt": _S},
     Kind.RELEASE: {"tok": _S},

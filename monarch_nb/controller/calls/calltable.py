@@ -61,6 +61,11 @@ class PendingCall:
     elastic: bool = False  # survive deaths: re-issued on the respawned rank
     frames: list[Any] = field(default_factory=list)  # kept for re-issue and deferral
     reissue: set[int] = field(default_factory=set)  # ranks waiting for their new process
+    # an elastic call the group grows back during (a Grow): the ranks back,
+    # which it takes once its members re-formed inside it (they wait for them
+    # there); they do not hold it up: it may finish without them
+    growing: set[int] = field(default_factory=set)
+    regrouped: dict[int, int] = field(default_factory=dict)  # member -> generation it re-formed into, inside it
     hang_timeout: float | None = None  # print stacks after this long without progress
     hang_reported: bool = False  # ...once per call
     progress_at: float = field(default_factory=time.monotonic)  # output, result, prompt
@@ -238,11 +243,36 @@ class CallTable:
         elastic ``call`` that had them carries on without them, each one's
         entry ``lost_for(rank)`` (a Lost, not an error)."""
         for rank in sorted(ranks):
+            call.growing.discard(rank)  # back, then gone again before it joined
             if rank in call.remaining or rank in call.reissue:
                 call.reissue.discard(rank)
                 call.held.pop(rank, None)
                 call.results[rank] = lost_for(rank)
                 self._rank_done(call, rank)
+
+    def grow(self, call: PendingCall, ranks: set[int]) -> None:
+        """The group takes ``ranks`` back while the elastic ``call`` runs
+        without them (each one's entry a Lost): :meth:`take_back` may give
+        it to them once its members re-formed inside it."""
+        call.growing.update(r for r in ranks if r in call.results and r not in call.remaining)
+
+    def regrouped_in(self, call: PendingCall, rank: int, generation: int) -> None:
+        """``rank`` re-formed into ``generation`` inside ``call`` (mnb.elastic, at a commit)."""
+        if rank in call.remaining:
+            call.regrouped[rank] = generation
+
+    def take_back(self, call: PendingCall, rank: int, generation: int) -> bool:
+        """``rank`` joins the running ``call`` again (a grow), a member of
+        ``generation``: its Lost entry goes, it owes an answer. False if the
+        call is over for its members."""
+        if rank not in call.growing or call.call_id not in self._calls or not call.remaining:
+            return False
+        call.growing.discard(rank)
+        call.regrouped[rank] = generation
+        call.results.pop(rank, None)
+        call.remaining.add(rank)
+        call.progress_at = time.monotonic()
+        return True
 
     def stop(self, why: str) -> None:
         """The mesh stops: every call ends, sent or waiting, with MeshNotRunning."""

@@ -24,6 +24,8 @@ class EventKind(str, enum.Enum):
     REFORMED = "reformed"  # the mesh formed a new group (rank -1)
     REFORM_FAILED = "reform_failed"  # a member could not join it
     SHRUNK = "shrunk"  # the group went on without ranks gone for good (rank -1; min_ranks)
+    GROWN = "grown"  # ranks back in a shrunk group (rank -1; detail: the world size now)
+    REJOINED = "rejoined"  # a rank back took the elastic call its group runs (a grow)
     SETUP_FAILED = "setup_failed"  # replaying a --setup cell failed on a new process
     STOPPED = "stopped"  # the mesh was stopped (rank -1)
     ATTACHED = "attached"  # a controller attached to the kept mesh (rank -1; detail: its pid)

@@ -40,6 +40,8 @@ Decisions::
                                       Respawn(host=spare) keeping the rank number, Reform;
                                       without: Report, NotComingBack.
                                       DEAD / FAILED / LOST / STOPPED: no change.
+    HostAdded (a host for ranks lost with theirs: mesh.add_hosts, a node back)
+                                   -> the LOST ones among them: Respawn(host=it), Grow, Reform
     (any of the NotComingBack cases above, with ``min_ranks`` and at least
     that many ranks left)          -> Shrink, the ranks' own Report / GiveUp,
                                       Reform(group=the ranks left) (none while a rank
@@ -71,8 +73,12 @@ instead: :class:`Shrink` says so (before their own Report / GiveUp, so an
 elastic call records them lost rather than failed) and the Reform that
 follows names the new ``group``, in which mesh rank ``group[i]`` is torch
 rank ``i``. Fewer left: NotComingBack, its reason saying how many remain.
-A rank brought back (a user's restart) is in the group again at the Reform
-that starts it: every Reform's group is the ranks not gone for good.
+A rank brought back (a host given for lost ranks: :class:`HostAdded`; a
+user's restart) is in the group again at the Reform that starts it: every
+Reform's group is the ranks not gone for good, and one larger than the
+group now is announced by :class:`Grow` first (an elastic call that runs
+takes the ranks back when its members re-form inside it, at their next
+``state.commit()``).
 
 Modes: ``rank`` replaces only the dead rank; ``all`` replaces every rank
 (the survivors are restarted too, torchrun-style); ``off`` reports and keeps
@@ -172,6 +178,18 @@ class HostLost:
 
 
 @dataclass(frozen=True)
+class HostAdded:
+    """``host`` takes ``ranks``, lost with their host (``mesh.add_hosts``:
+    a spare host given later, or the lost host itself back, as a SLURM node
+    that returns). Those still LOST are started there with their rank
+    numbers; the others are no business of a host (a restart decides)."""
+
+    host: str
+    ranks: tuple[int, ...]
+    now: float
+
+
+@dataclass(frozen=True)
 class Probed:
     """Where a member that has not answered its REFORM stands: still inside
     the old group's collective (``in_collective``), or computing."""
@@ -192,7 +210,7 @@ class SpareCheck:
     all_live: bool
 
 
-Stimulus = Died | RestartRequested | Timer | HostLost | Probed | SpareCheck
+Stimulus = Died | RestartRequested | Timer | HostLost | HostAdded | Probed | SpareCheck
 
 
 # -- actions -----------------------------------------------------------------
@@ -254,6 +272,19 @@ class Shrink:
 
 
 @dataclass(frozen=True)
+class Grow:
+    """The group takes ``back`` again (ranks started anew: a host given for
+    lost ranks, a user's restart of ranks gone for good): its members are
+    ``ranks`` now. The Reform that forms it follows. An elastic call that
+    runs without them takes them back once its members re-form inside it
+    (at their next ``state.commit()``: mnb.elastic); else they join at the
+    next call."""
+
+    ranks: tuple[int, ...]
+    back: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class GiveUp:
     """The restart budget of ``rank`` is spent (it was moved FAILED): tell
     the user ``reason`` and end the calls that wait for it."""
@@ -293,7 +324,7 @@ class StartSpare:
     """Start a spare process (torch imported, waiting to become a rank)."""
 
 
-Action = (Move | Respawn | Kill | Reform | Shrink | GiveUp | Report | NotComingBack
+Action = (Move | Respawn | Kill | Reform | Shrink | Grow | GiveUp | Report | NotComingBack
           | ReplaceStuck | StartSpare)
 
 
@@ -396,6 +427,8 @@ class RestartPolicy:
             self._restart(snap, event)
         elif isinstance(event, HostLost):
             self._host_lost(snap, event)
+        elif isinstance(event, HostAdded):
+            self._host_added(snap, event)
         elif isinstance(event, Probed):
             if event.in_collective and snap.state(event.rank) in LIVE:
                 snap.move_only(event.rank, RankState.RESPAWNING)
@@ -505,6 +538,16 @@ class RestartPolicy:
         if not self._timer(snap, ev.now):
             self._reform(snap)
 
+    def _host_added(self, snap: _Snapshot, ev: HostAdded) -> None:
+        back = [r for r in ev.ranks if snap.state(r) is S.LOST]
+        if not back:
+            return  # restarted meanwhile, or stopped: nothing for the host to take
+        for rank in back:
+            # no budget spent: the host failed, not the rank
+            self._due.pop(rank, None)
+            snap.respawn(rank, host=ev.host)
+        self._reform(snap)
+
     def _gone(self, snap: _Snapshot, gone: tuple[int, ...], own: list[Action],
               why: str, now: float) -> None:
         """``gone`` will not come back until the user acts; ``own``: their
@@ -538,6 +581,9 @@ class RestartPolicy:
         group = None
         if self.min_ranks is not None and snap.left() != self.table.group:
             group = snap.left()
+            back = tuple(r for r in group if r not in self.table.group)
+            if back:  # (a shrink's group has none)
+                snap.actions.append(Grow(group, back))
         snap.actions.append(Reform(self.table.generation + 1, snap.members(), group))
 
     def _timer(self, snap: _Snapshot, now: float) -> bool:

@@ -12,6 +12,7 @@ rank table and answers with typed moves; it keeps no phase of its own.
     DEAD    --Move WAITING (backoff)--------> WAITING --Respawn (due)--> RESPAWNING
     DEAD    --Move FAILED (budget spent)----> FAILED  --restart--------> WAITING
     (a process), WAITING --host lost: Move LOST--> LOST --Respawn(host=spare)--> RESPAWNING
+                                 (a spare host, or one given later: HostAdded)
                                                    LOST --restart--> WAITING
     READY, BUSY --ReplaceStuck (stuck in a collective)--> RESPAWNING
     (any) --stop--> STOPPED  (final)
@@ -41,7 +42,8 @@ respawn scheduled (the first one at once, later ones after a backoff);
 calls to it, and to every other rank, wait: the group is about to be
 re-formed. ``FAILED``: the restart budget is spent; only a user's restart
 revives it. ``LOST``: its host is gone; it is respawned on a spare host
-when there is one, else it waits for a user's restart.
+when there is one, else when a host is given for it (``mesh.add_hosts``)
+or a user restarts it.
 
 Whether a rank is coming back, and whether a call must wait for it, is
 answered in one place: :meth:`RankTable.coming_back` /

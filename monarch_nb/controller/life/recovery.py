@@ -32,6 +32,17 @@ With ``min_ranks`` the group goes on without ranks gone for good instead
 survivors re-forming at the smaller size (the REFORM names the members, in
 torch rank order); calls sent from then on leave them out (caller.py).
 
+The group grows back when lost ranks get processes again (a host given for
+them: :meth:`hosts_added`, ``mesh.add_hosts``; a user's restart): the
+policy's Grow, then its Reform. Nothing is broken, so nothing is probed: a
+member busy with a call joins the larger group when it is free, or, inside
+an ``mnb.elastic`` loop, at its next ``state.commit()``, saying so in its
+REFORMED; once every member of an elastic call that ran without the ranks
+re-formed inside it and a rank back is READY, the call is given to it
+(:meth:`_admit`): it takes the committed state from its peers and the call
+finishes at the larger size. A call that ends first keeps their Lost
+entries; they join at the next call.
+
 Here facts are recorded as they are seen (a READY: READY; our own kill
 signal: DYING; a first start that failed: DEAD) and the policy's actions
 are carried out, its typed moves through the rank table's methods
@@ -71,6 +82,8 @@ from .policy import (
     Action,
     Died,
     GiveUp,
+    Grow,
+    HostAdded,
     HostLost,
     Kill,
     Move,
@@ -119,6 +132,7 @@ class Recovery:
         self.lost: set[int] = set()  # the ranks whose new processes the last re-formation awaits
         self.requested: set[int] = set()  # restarted by the user: their return is no news
         self.settled_at = time.monotonic()  # last start, death or respawn
+        self._grows = False  # the Reform at hand forms a larger group (a Grow came first)
         self._notes: list[str] = []  # said once the actions at hand are done (apply)
 
     @property
@@ -234,6 +248,9 @@ class Recovery:
             self.ranks.move(info.rank, RankState.BUSY)
             call.progressed(info.ready_at)
             self.io.send(info.main_id, call.frames)
+        for call in self.calls:
+            if info.rank in call.growing:
+                self._admit(call)
         if info.rank in self.requested:
             self.requested.discard(info.rank)
         else:
@@ -244,11 +261,16 @@ class Recovery:
     def on_reformed(self, info: RankInfo, msg: Message) -> None:
         self.awaiting_reform.pop(info.rank, None)
         self._progress(info.rank)
-        error = None if meta_of(msg, Kind.REFORMED).get("joining") else meta_of(msg, Kind.REFORMED).get("error")
+        meta = meta_of(msg, Kind.REFORMED)
+        call = self.calls.get(int(meta.get("call") or 0)) if meta.get("joining") else None
+        if call is not None and call.growing:  # re-formed inside it (mnb.elastic): a grow
+            self.calls.regrouped_in(call, info.rank, int(meta.get("generation", 0)))
+            self._admit(call)
+        error = None if meta.get("joining") else meta.get("error")
         if error:
             self.ranks.record(info.rank, EventKind.REFORM_FAILED, str(error))
             self._announce(f"monarch_nb: rank {info.rank} could not join generation "
-                           f"{meta_of(msg, Kind.REFORMED).get('generation')}: {error}")
+                           f"{meta.get('generation')}: {error}")
 
     def on_probe(self, info: RankInfo, threads: list[Any]) -> None:
         """Where a member that has not answered its REFORM stands."""
@@ -282,6 +304,24 @@ class Recovery:
             self.apply(self.policy.handle(RestartRequested(ranks, time.monotonic())))
 
         self.io.call_soon(restart)
+
+    def hosts_added(self) -> None:
+        """Hosts were given (``mesh.add_hosts``; thread-safe): the ranks lost
+        with a host start on the host back, or on a spare now (the
+        launcher's placement), and the group grows back with them."""
+        def added() -> None:
+            if self.stopped:
+                return
+            by_host: dict[str, list[int]] = {}
+            for info in self.ranks:
+                if info.state is RankState.LOST:
+                    by_host.setdefault(self.supervisor.lost_host(info.rank), []).append(info.rank)
+            for lost, ranks in by_host.items():
+                host = self.supervisor.host_for(lost) if lost else None
+                if host:
+                    self.apply(self.policy.handle(HostAdded(host, tuple(ranks), time.monotonic())))
+
+        self.io.call_soon(added)
 
     def tick(self, now: float) -> None:
         deadline = self.policy.next_deadline()
@@ -337,6 +377,8 @@ class Recovery:
                 self._not_coming_back(action)
             elif isinstance(action, Shrink):
                 self._shrink(action)
+            elif isinstance(action, Grow):
+                self._grow(action)
             elif isinstance(action, Kill):
                 self._kill(action.rank, action.reason)
                 if action.reason:  # a script's group restart: one line for its ranks
@@ -425,6 +467,42 @@ class Recovery:
                            f"{format_ranks(action.gone)}, at world size {n} of "
                            f"{len(self.ranks)} (min_ranks {self.cfg.min_ranks})")
 
+    def _grow(self, action: Grow) -> None:
+        """The policy's Grow: ``action.back`` are in the group again (the
+        Reform that starts them follows). An elastic call that runs without
+        them takes them back once its members re-formed inside it (at a
+        commit: :meth:`_admit`); the survivors are not disturbed meanwhile."""
+        back, n = set(action.back), len(action.ranks)
+        running = False
+        for call in self.calls:
+            if call.elastic and call.sent and call.remaining:
+                self.calls.grow(call, back)
+                running = running or bool(call.growing)
+        self._grows = True
+        whole = " (whole again)" if n == len(self.ranks) else ""
+        self.ranks.record(-1, EventKind.GROWN, f"world size {n}: rank {format_ranks(action.ranks)}"
+                          f" (rank {format_ranks(action.back)} back){whole}")
+        self._notes.append(f"monarch_nb: rank {format_ranks(action.back)} back in the group, at "
+                           f"world size {n} of {len(self.ranks)}{whole}"
+                           + ("; the elastic loop takes them at its next state.commit()"
+                              if running else ""))
+
+    def _admit(self, call: PendingCall) -> None:
+        """Give the elastic ``call`` to the ranks back (a grow) that are
+        READY, once every member still in it re-formed into the group now
+        inside it: they wait for them in their state sync there. Until then
+        (or if it ends first) the call is not theirs."""
+        members = set(call.remaining)
+        if not members or any(call.regrouped.get(r) != self.generation for r in members):
+            return
+        for rank in sorted(call.growing):
+            info = self.ranks[rank]
+            if info.state is RankState.READY and self.calls.take_back(call, rank, self.generation):
+                self.ranks.move(rank, RankState.BUSY)
+                self.io.send(info.main_id, call.frames)
+                self.ranks.record(rank, EventKind.REJOINED, f"call {call.call_id}, generation "
+                                  f"{self.generation}")
+
     def _reform(self, action: Reform) -> None:
         """New generation: fresh store port; respawning members start with
         it, live members are told to leave their group and join it. The
@@ -441,6 +519,7 @@ class Recovery:
                                                     "members": list(self.ranks.group)})
         self.reform_frames = frames  # sent again to members slow to answer (tick)
         now = time.monotonic()
+        grows, self._grows = self._grows, False
         self.lost = {r for r in action.ranks if self.ranks[r].state == RankState.RESPAWNING}
         for rank in action.ranks:
             info = self.ranks[rank]
@@ -455,6 +534,10 @@ class Recovery:
                 # collective with the dead rank fails out of it first (and
                 # leaves its group, releasing its peers), then re-forms
                 self.io.send(info.main_id, frames)
+                if grows and self.calls.busy(rank):
+                    # its group is whole: it is not stuck, it joins when its
+                    # call is over or at its next state.commit() (mnb.elastic)
+                    continue
                 # looked at after the grace unless it re-formed by then (an
                 # idle member may hang leaving its old group, too)
                 self.awaiting_reform[rank] = now + REFORM_GRACE_S
