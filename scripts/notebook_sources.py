@@ -345,6 +345,102 @@ y.item()
 """),
     code("%monarch stop"),
     md("""
+## Carrying on with fewer ranks, and growing back
+
+Above, the dead rank came back. When one cannot (its restart budget is spent, respawn is
+off, its host is lost with no spare host), a mesh started with `--min-ranks` carries on
+with the ranks left: the group re-forms among the survivors at the smaller world size,
+and the elastic loop goes on from its last commit. When capacity returns
+(`%monarch restart RANK`, or `mesh.add_hosts(...)` for a lost host) the ranks join the
+*running* loop at its next `state.commit()` (docs/elastic.md).
+
+Here `--max-restarts 0` (torchrun's flag) lets no rank be respawned, so a killed rank
+stays gone until it is restarted by hand. The loop
+logs the world size at every step; `mnb.rank()` and `mnb.world_size()` are the torch
+group's numbers (dense: 0..2 at world size 3), `mnb.mesh_rank()` the mesh's (stable).
+"""),
+    code("%monarch start -n 4 --max-restarts 0 --min-ranks 2 --no-dashboard"),
+    code("""
+%%monarch --setup
+import hashlib, time, torch, torch.distributed as dist, monarch_nb as mnb
+
+def train_elastic(steps=400, pace=0.05):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = mnb.elastic.State(model=model, optimizer=opt, step=0)
+
+    @mnb.elastic.run(state)
+    def loop(state):
+        while state.step < steps:
+            g = torch.Generator().manual_seed(1000 * state.step + mnb.rank())
+            x = torch.randn(16, 8, generator=g)
+            opt.zero_grad()
+            ((model(x) - x.sum(1, keepdim=True)) ** 2).mean().backward()
+            for p in model.parameters():               # the average over the group now
+                dist.all_reduce(p.grad)
+                p.grad /= mnb.world_size()
+            opt.step()
+            state.step += 1
+            state.commit()
+            mnb.log(step=state.step, world=mnb.world_size(), steps=state.step)
+            time.sleep(pace)
+
+    loop()
+    bits = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+    return mnb.world_size(), hashlib.sha256(bits).hexdigest()[:16]
+"""),
+    code("""
+%%monarch --elastic --no-block -o grown
+train_elastic()
+"""),
+    md("""
+Once the loop is under way, rank 3 is killed. Rank 0 soon logs world size 3: the others
+went on without it.
+"""),
+    code("""
+import time
+import monarch_nb as mnb
+mesh = mnb.Mesh.current()
+
+def last(rank, key):
+    return mesh.status()[rank]["last"].get(key, 0)
+
+def until(what, condition, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.05)
+
+until("step 10 on rank 3", lambda: last(3, "steps") >= 10)
+%monarch kill 3
+until("world size 3", lambda: last(0, "world") == 3)
+"""),
+    code(f"""
+{CHECK}
+mesh.group, mesh.status()[3]["state"]
+"""),
+    md("""
+Rank 3 is restarted by hand: a new process starts, and the running loop takes it back at
+its next commit. `%monarch wait` then holds every rank's result: the world size it ended
+at and the fingerprint of its parameters, one model on all four.
+"""),
+    code("%monarch restart 3"),
+    code("%monarch wait grown"),
+    code(f"""
+{CHECK}
+sizes = {{world for world, _ in grown.values()}}
+models = {{fingerprint for _, fingerprint in grown.values()}}
+sorted(grown), sizes, len(models)
+"""),
+    code("""
+for e in mesh.events:
+    if e["kind"] in ("died", "shrunk", "grown", "rejoined"):
+        print(f"rank {e['rank']:>2}  {e['kind']:<9} {e['detail']}")
+"""),
+    code("%monarch stop"),
+    md("""
 ## Surviving the kernel itself
 
 Everything above survives the loss of a rank. A *kept* mesh also survives the loss of the

@@ -169,6 +169,19 @@ def test_min_ranks_is_parsed_and_a_bad_value_refused_before_anything_starts(
     assert py_value(kernel, f"{MAGICS}.mesh is None") is True
 
 
+def test_max_restarts_is_the_restart_budget_and_a_bad_value_refused(kernel: KernelSession) -> None:
+    from monarch_nb.ui.magics import _P, _parse
+
+    assert _parse(_P.start, "-n 4 --max-restarts 0").max_restarts == 0
+    assert _parse(_P.start, "-n 4").max_restarts is None
+    r = failed(kernel, "%monarch start -n 2 --backend cpu --max-restarts -1 --no-dashboard")
+    assert r.error is not None and r.error["ename"] == "UsageError", r.traceback
+    assert "--max-restarts must be 0 or more, not -1" in r.traceback
+    assert py_value(kernel, f"{MAGICS}.mesh is None") is True
+    # what it does (a dead rank not respawned, the group going on without it)
+    # is shown by notebooks/03_fault_tolerance.ipynb, run by nbval
+
+
 def test_python_api_reaches_the_mesh_the_magics_started(mesh: KernelSession) -> None:
     r = ok(mesh, "import monarch_nb\n"
                  "m = monarch_nb.Mesh.current()\n"

@@ -29,6 +29,7 @@ HELP = """\
 %monarch start [-n N] [--backend auto|cuda|rocm|cpu] [--respawn rank|all|off]
                [--launcher local|ssh|slurm] [--hosts H1,H2] [--spare-hosts H3] [--no-dashboard]
                [--hang-timeout SECONDS] [--name NAME --keep-alive DURATION] [--min-ranks M]
+               [--max-restarts N]
 %monarch stop [--signal TERM] [--grace S] | status | dashboard | help
 %monarch attach NAME [--force]                  take over a kept mesh (it outlives its kernel)
 %monarch detach                                 let a kept mesh go on without this kernel
@@ -80,6 +81,9 @@ class _Parsers:
                    "host lost with no spare) and at least M are left, the group re-forms "
                    "among them (torch ranks 0..k-1; mesh rank numbers stay) and --elastic "
                    "cells carry on (default: the group keeps every rank)")
+    @argument("--max-restarts", type=int, default=None, metavar="N",
+              help="respawns of one rank within 10 minutes before it is given up "
+                   "(default 5; torchrun's flag; 0: a dead rank stays dead)")
     def start(self, line: str) -> None: ...
 
     @magic_arguments()
@@ -240,12 +244,19 @@ class MonarchMagics(Magics):
         args = _parse(_P.start, rest)
         if self.mesh is not None and self.mesh.running:
             raise UsageError(f"a mesh is already running ({self.mesh!r}); %monarch stop it first")
+        if args.max_restarts is not None and args.max_restarts < 0:
+            raise UsageError(f"--max-restarts must be 0 or more, not {args.max_restarts}")
+        budget: dict[str, Any] = ({} if args.max_restarts is None
+                                  else {"restart_budget": args.max_restarts})
+        if args.max_restarts == 0:  # what a dead rank's line says instead of a spent budget
+            budget["no_restarts_hint"] = ("--max-restarts 0; start the mesh with --max-restarts N "
+                                          "to respawn dead ranks")
         # refuse bad options before saying anything is starting
         MeshConfig(n=args.n, backend=args.backend, respawn=args.respawn, launcher=args.launcher,
                    hosts=tuple(h for h in args.hosts.split(",") if h),
                    hang_timeout=args.hang_timeout, spare_hosts=args.spare_hosts,
                    host_timeout=args.host_timeout, name=args.name, keep_alive=args.keep_alive,
-                   min_ranks=args.min_ranks)
+                   min_ranks=args.min_ranks, **budget)
         from IPython.display import display
 
         handle = display(_Text("monarch_nb: starting ranks..."), display_id=True)
@@ -261,7 +272,7 @@ class MonarchMagics(Magics):
                                launcher=args.launcher, hosts=args.hosts, progress=progress,
                                hang_timeout=args.hang_timeout, spare_hosts=args.spare_hosts,
                                host_timeout=args.host_timeout, name=args.name,
-                               keep_alive=args.keep_alive, min_ranks=args.min_ranks)
+                               keep_alive=args.keep_alive, min_ranks=args.min_ranks, **budget)
         mesh = self.mesh
         if args.launcher == "local":
             _omp_notice(mesh.world_size)
