@@ -351,7 +351,7 @@ def test_a_host_given_later_grows_the_group_back_into_the_running_cell(hosts: Ho
     assert result["group"] == [0, 1, 2, 3] and result["torch_ranks"] == [0, 1, 2, 3], result
     kinds = [k for k, _, _ in result["events"]]
     assert kinds[:2] == ["shrunk", "grown"] and kinds.count("rejoined") == 2, result["events"]
-    assert result["events"][1][2] == "world size 4: rank 0-3 (rank 2,3 back) (whole again)"
+    assert result["events"][1][2] == "world size 4: rank 0-3 (rank 2,3 back; whole again)"
     assert "world size now" not in result["grown_status"], result["grown_status"]
     lost_to_small = outs["0"]["sizes"][1][1] - result["lost_at"]
     add_to_full = outs["0"]["sizes"][2][1] - result["add_at"]

@@ -249,7 +249,7 @@ def test_a_rank_past_its_budget_shrinks_then_grows_back_into_the_running_loop() 
         kinds = [e["kind"] for e in mesh.events]
         assert kinds.count("shrunk") == 1 and kinds.count("grown") == 1, kinds
         (grown,) = [e for e in mesh.events if e["kind"] == "grown"]
-        assert grown["detail"] == "world size 3: rank 0-2 (rank 2 back) (whole again)", grown
+        assert grown["detail"] == "world size 3: rank 0-2 (rank 2 back; whole again)", grown
         assert any(e["kind"] == "rejoined" and e["rank"] == 2 for e in mesh.events), kinds
         assert [r["torch_rank"] for r in mesh.status()] == [0, 1, 2]
         assert "world size now" not in format_status(mesh)

@@ -480,8 +480,9 @@ class Recovery:
                 running = running or bool(call.growing)
         self._grows = True
         whole = " (whole again)" if n == len(self.ranks) else ""
+        again = "; whole again" if n == len(self.ranks) else ""
         self.ranks.record(-1, EventKind.GROWN, f"world size {n}: rank {format_ranks(action.ranks)}"
-                          f" (rank {format_ranks(action.back)} back){whole}")
+                          f" (rank {format_ranks(action.back)} back{again})")
         self._notes.append(f"monarch_nb: rank {format_ranks(action.back)} back in the group, at "
                            f"world size {n} of {len(self.ranks)}{whole}"
                            + ("; the elastic loop takes them at its next state.commit()"
