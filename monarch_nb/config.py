@@ -79,7 +79,9 @@ def parse_preload(value: object) -> tuple[str, ...]:
     """``preload`` as module names: a list of names, or one comma-separated
     string (``--preload transformers,datasets``)."""
     names = value.split(",") if isinstance(value, str) else value
-    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+    if not isinstance(names, (str, bytes)) and hasattr(names, "__iter__"):
+        names = list(names)
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise UsageError(f"preload must be module names (a list, or one string separated by "
                          f"commas), not {value!r}")
     out = tuple(n.strip() for n in names if n.strip())

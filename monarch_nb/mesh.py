@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import backends, notices
-from .config import MeshConfig, check_hang_timeout
+from .config import MeshConfig, check_hang_timeout, parse_preload
 from .controller.analysis import timeline
 from .controller.analysis.collectives import (
     STRAGGLER_FACTOR,
@@ -336,12 +336,13 @@ class Mesh(_RankSet):
         custom = None if isinstance(launcher, str) else launcher
         if custom is not None and n is None:
             raise UsageError("Mesh.start with a Launcher object needs n (the number of ranks)")
+        if fork is not None:
+            options["fork"] = fork
         cfg = MeshConfig(n=n, backend=backend, respawn=respawn,  # type: ignore[arg-type]
                          launcher="local" if custom is not None else launcher,  # type: ignore[arg-type]
                          hosts=tuple(hosts), name=name, min_ranks=min_ranks,
                          keep_alive=keep_alive,  # type: ignore[arg-type]
-                         preload=preload if isinstance(preload, str) else tuple(preload),
-                         **({} if fork is None else {"fork": fork}), **options)
+                         preload=parse_preload(preload), **options)
         if custom is not None:
             spawner, world = custom, cfg.n or 0
         else:

@@ -64,7 +64,7 @@ from . import spare
 # What the interpreter had set up when the warm process started: a fresh
 # rank's signal handlers and mask (the warm process changes neither).
 _STARTUP_HANDLERS: dict[int, Any] = {}
-_STARTUP_MASK: set[signal.Signals] = set()
+_STARTUP_MASK: set[int] = set()
 _REPARENT_WAIT_S = 5.0
 MAX_REQUEST = 1 << 20  # one request: an environment, a few paths
 
@@ -78,7 +78,7 @@ def record_startup() -> None:
             _STARTUP_HANDLERS[sig] = signal.getsignal(sig)
         except (OSError, ValueError):
             pass
-    _STARTUP_MASK.update(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    _STARTUP_MASK.update(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))
 
 
 def unsafe_to_fork() -> str:
@@ -140,7 +140,7 @@ def serve(sock_fd: int = 0) -> None:
 
 def _preload(names: str) -> str:
     """Import torch, the rank's modules and ``names``; what failed, or ""."""
-    import torch  # noqa: F401  # the point of a warm process
+    import torch  # the point of a warm process
     import torch.distributed  # noqa: F401
 
     for mod in ("monarch_nb.elastic", "zmq", "cloudpickle"):  # (engine.loop: ours already)

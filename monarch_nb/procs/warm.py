@@ -134,8 +134,9 @@ class WarmProcess:
                 reply = self._recv(FORK_TIMEOUT_S)
             finally:
                 _subreaper(bool(was))
-        if isinstance(reply.get("pid"), int):
-            return Forked(reply["pid"])
+        pid = reply.get("pid")
+        if isinstance(pid, int):
+            return Forked(pid)
         self.error = str(reply.get("error") or "no answer")
         raise WarmError(self.error)
 
