@@ -213,8 +213,10 @@ class Forked:
                 return self.returncode
             try:
                 pid, status = os.waitpid(self.pid, flags)
-            except ChildProcessError:  # reaped by someone else: its status is lost
-                self.returncode = 255
+            except ChildProcessError:
+                # reaped by someone else (psutil.wait_procs in a stop): its
+                # status is lost; Popen says 0 then, and so do we
+                self.returncode = 0
                 return self.returncode
             if pid == 0:
                 return None
