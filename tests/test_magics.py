@@ -174,9 +174,9 @@ def test_preload_is_parsed_and_a_bad_name_refused_before_anything_starts(
     from monarch_nb.ui.magics import _P, _parse
 
     assert _parse(_P.start, "-n 2 --preload json,csv").preload == "json,csv"
-    r = failed(kernel, "%monarch start -n 2 --backend cpu --preload 'json,no such' --no-dashboard")
+    r = failed(kernel, "%monarch start -n 2 --backend cpu --preload json,9lives --no-dashboard")
     assert r.error is not None and r.error["ename"] == "UsageError", r.traceback
-    assert "'no such' is not a module name" in r.traceback
+    assert "'9lives' is not a module name" in r.traceback
     assert not any("starting ranks" in d for d in r.displays)  # refused before saying so
     assert py_value(kernel, f"{MAGICS}.mesh is None") is True
 
