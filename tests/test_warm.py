@@ -6,7 +6,8 @@ processes:
   mask, its own session and process group, the parent-death signal (armed,
   and its parent the controller), open fds and stdio, device pinning; and
   its random seeds are its own;
-* a killed forked rank comes back forked, as the controller's child;
+* a killed forked rank comes back forked, as the controller's child; a
+  spare forked from the warm process becomes the rank it replaces;
 * the controller's death takes its forked ranks (and the warm process) with
   it;
 * a preload that fails to import fails ``Mesh.start`` saying what to do;
@@ -56,7 +57,7 @@ def _fd_kind(fd):
         return target.split("[")[0].rstrip(":")
     if target == _os.devnull:
         return "devnull"
-    return "log" if target.endswith(".log") else "file " + _os.path.basename(target)
+    return "log" if target.endswith(".log") else "file ." + target.rsplit(".", 1)[-1]
 
 
 def _handler(sig):
@@ -161,6 +162,30 @@ def test_a_killed_forked_rank_comes_back_forked() -> None:
                  and mesh.status()[0]["state"] in ("ready", "busy"), timeout=60,
                  what="rank 0 respawned after SIGTERM")
         assert sup.history[0].popen.poll() is not None
+
+
+@pytest.mark.timeout(180)
+def test_a_forked_spare_becomes_the_rank_it_replaces() -> None:
+    with Mesh.start(n=2, backend="cpu") as mesh:
+        sup = mesh._ctl.supervisor
+        wait_for(sup.spare_ready, timeout=60, what="a spare forked from the warm process")
+        assert sup.spare is not None and sup.spare_link is not None
+        spare_pid = sup.spare.pid
+        assert psutil.Process(spare_pid).ppid() == os.getpid()
+        before = _snapshots(mesh)[1]
+        mesh.kill(1)
+        wait_for(lambda: sup.procs[1].incarnation == 1 and sup.procs[1].popen.poll() is None
+                 and mesh.status()[1]["state"] in ("ready", "busy"), timeout=60,
+                 what="rank 1 respawned")
+        proc = sup.procs[1]
+        assert proc.from_spare and proc.forked and proc.pid == spare_pid
+        after = _snapshots(mesh)[1]
+        for name in ("torch_threads", "interop", "threads", "cwd", "sys.path", "main",
+                     "session_leader", "group_leader", "pdeathsig", "handlers", "mask", "fds",
+                     "stdio", "ppid"):
+            assert after[name] == before[name], (name, before[name], after[name])
+        assert after["env"] == before["env"]
+        assert mesh.run(_all_reduce_sum) == dict.fromkeys(range(2), 3.0)
 
 
 CONTROLLER = textwrap.dedent("""

@@ -134,8 +134,11 @@ def serve(sock_fd: int = 0) -> None:
         pid = _double_fork(sock, request, fds)
         if pid == 0:
             return  # the rank: main() goes on
+        # the numbers the rank's fds have there are ours (a spare is told
+        # them in its assignment later, as a fresh spare is its own)
+        numbers = {name: fds[int(i)] for name, i in request.get("fd_env", {}).items()}
         _close(fds)
-        _send(sock, {"pid": pid} if pid > 0 else {"error": "fork failed"})
+        _send(sock, {"pid": pid, "fds": numbers} if pid > 0 else {"error": "fork failed"})
 
 
 def _preload(names: str) -> str:
@@ -207,13 +210,16 @@ def _become(sock: socket.socket, request: dict[str, Any], fds: list[int], middle
         os.set_inheritable(fd, True)  # as Popen's pass_fds leaves it
         env[str(name)] = str(fd)
         keep.add(fd)
+    stdin = request.get("stdin")  # a spare's: the pipe its assignment comes on
+    if stdin is not None:
+        keep.add(fds[int(stdin)])
     _only_fds(keep)
     log = os.open(str(request["log"]), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    for fd in (log, null):
+    source = os.open(os.devnull, os.O_RDONLY) if stdin is None else fds[int(stdin)]
+    os.dup2(source, 0)
+    for fd in (log, source):
         if fd > 2:
             os.close(fd)
     for sig, handler in _STARTUP_HANDLERS.items():
@@ -223,6 +229,8 @@ def _become(sock: socket.socket, request: dict[str, Any], fds: list[int], middle
             pass
     signal.pthread_sigmask(signal.SIG_SETMASK, _STARTUP_MASK)
     spare.apply({"env": env, "cwd": request.get("cwd")})
+    if config.ENV_SPARE in env:  # (apply drops it: a spare's own assignment is to come)
+        os.environ[config.ENV_SPARE] = env[config.ENV_SPARE]
     random.seed()  # from os.urandom, as at a fresh interpreter's import
     numpy = sys.modules.get("numpy")
     if numpy is not None:

@@ -37,7 +37,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -104,7 +103,7 @@ class Supervisor:
     log_dir: str = field(default_factory=logdirs.make)  # marked as ours; swept if we die
     procs: dict[int, RankProcess] = field(default_factory=dict)
     history: list[RankProcess] = field(default_factory=list)
-    spare: subprocess.Popen[bytes] | None = None  # torch imported, waiting (spares.py)
+    spare: Handle | None = None  # torch imported, waiting (spares.py): a Popen, or forked
     spare_log: str = ""
     spare_link: tuple[socket.socket, int] | None = None  # our end of the spare's, its fd there
     _spares: int = 0
@@ -227,10 +226,6 @@ class Supervisor:
         if self.closed or self.launcher.remote or isinstance(self.launcher, AgentLauncher) or (
                 self.spare is not None and self.spare.poll() is None):
             return
-        if self.forks:  # the warm process is the spare: a fork is as quick as a hand-off
-            if self.warm is None or self.warm.popen.poll() is not None:
-                self.start_warm()  # it died (out of memory?): another one
-            return
         env = dict(os.environ)
         env.pop(config.ENV_KEY_FILE, None)
         env.pop(config.ENV_KEY, None)
@@ -243,8 +238,16 @@ class Supervisor:
         ours, theirs = links.pair() if self.links_on else (None, None)
         theirs_fd = -1 if theirs is None else theirs.fileno()  # its number there too
         try:
-            popen = self.spawner.call(spares.start, env, self.spare_log,
-                                      () if theirs is None else (theirs_fd,))
+            if self.forks:
+                made = self._fork_spare(env, theirs)
+                if made is None:
+                    if ours is not None:
+                        ours.close()
+                    return
+                popen, theirs_fd = made
+            else:
+                popen = self.spawner.call(spares.start, env, self.spare_log,
+                                          () if theirs is None else (theirs_fd,))
         except BaseException:
             if ours is not None:
                 ours.close()
@@ -279,11 +282,7 @@ class Supervisor:
             spare_link[0].close()
 
     def spare_ready(self) -> bool:
-        """A spare is waiting with torch imported (the next respawn is fast):
-        a spare process, or the warm process ready to fork one."""
-        if self.forks and self.warm is not None:
-            return self.warm.popen.poll() is None and (
-                self.warm.ready or spares.is_waiting(self.warm.log_path))
+        """A spare is waiting with torch imported (the next respawn is fast)."""
         return (self.spare is not None and self.spare.poll() is None
                 and spares.is_waiting(self.spare_log))
 
@@ -351,6 +350,35 @@ class Supervisor:
                 theirs.close()  # the warm process sent it on; the rank holds it now
         return child, ours
 
+    def _fork_spare(self, env: dict[str, str],
+                    link: socket.socket | None) -> tuple[Handle, int] | None:
+        """A spare forked from the warm process (its assignment comes on a
+        pipe, as a fresh spare's does), and its link end's number there;
+        None while the warm process is not ready (it is never waited for
+        here: this runs on the I/O thread) or when forking stops now."""
+        warm = self.warm
+        if warm is None or warm.popen.poll() is not None:
+            self.start_warm()  # it died (out of memory?): another one, for the next spare
+            return None
+        if not warm.ready:
+            return None
+        fds = {} if link is None else {config.ENV_LINK_FD: link.fileno()}
+        r, w = os.pipe()
+        try:
+            child = self.spawner.call(warm.fork, {**env, config.ENV_SPARE: "1"}, self.spare_log,
+                                      fds, None, r)
+        except warms.WarmError as exc:
+            os.close(w)
+            self.fork_off = str(exc)
+            log.warning("monarch_nb: ranks start as fresh interpreters from now on: the warm "
+                        "process cannot fork (%s)", exc)
+            self.stop_warm()
+            return None
+        finally:
+            os.close(r)
+        child.stdin = os.fdopen(w, "wb", buffering=0)
+        return child, child.fds.get(config.ENV_LINK_FD, -1)
+
     def stop_warm(self) -> None:
         with self._lock:
             warm, self.warm = self.warm, None
@@ -385,6 +413,7 @@ class Supervisor:
             (popen, ours), forked = made, True
         if popen is None:
             popen, ours = self._start_rank(rank, env, log_path)
+        forked = forked or isinstance(popen, warms.Forked)  # a forked spare's too
         proc = RankProcess(rank, incarnation, popen, log_path, from_spare=from_spare, link=ours,
                            forked=forked)
         from ..wire.transport import pidfd_open

@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import IO
 
 from .. import config
 
@@ -113,30 +114,34 @@ class WarmProcess:
             raise WarmError(self.error)
 
     def fork(self, env: dict[str, str], log_path: str, fds: dict[str, int] | None = None,
-             cwd: str | None = None) -> Forked:
+             cwd: str | None = None, stdin: int | None = None) -> Forked:
         """A new rank process with ``env`` (the fds named in it by ``fds``,
-        env var -> our fd, become its own, their numbers set there), its
-        output appended to ``log_path``: our child, as a ``Popen`` one."""
+        env var -> our fd, become its own, their numbers set there: see
+        ``Forked.fds``), its output appended to ``log_path``, its stdin
+        ``stdin`` (a spare's pipe) or /dev/null: our child, as a ``Popen``
+        one."""
         self.wait_ready()
         names = list(fds or {})
+        passed = [(fds or {})[n] for n in names] + ([] if stdin is None else [stdin])
         request = {"env": env, "log": log_path, "cwd": cwd or os.getcwd(),
-                   "parent": os.getpid(), "fd_env": {n: i for i, n in enumerate(names)}}
+                   "parent": os.getpid(), "fd_env": {n: i for i, n in enumerate(names)},
+                   "stdin": None if stdin is None else len(names)}
         data = json.dumps(request).encode()
         with self._lock, _subreaper_lock:
             was = _subreaper(None)
             _subreaper(True)
             try:
                 try:
-                    socket.send_fds(self.sock, [data], [(fds or {})[n] for n in names])
+                    socket.send_fds(self.sock, [data], passed)
                 except OSError as exc:
                     self.error = f"its socket failed ({exc})"
                     raise WarmError(self.error) from None
                 reply = self._recv(FORK_TIMEOUT_S)
             finally:
                 _subreaper(bool(was))
-        pid = reply.get("pid")
+        pid, numbers = reply.get("pid"), reply.get("fds")
         if isinstance(pid, int):
-            return Forked(pid)
+            return Forked(pid, dict(numbers) if isinstance(numbers, dict) else {})
         self.error = str(reply.get("error") or "no answer")
         raise WarmError(self.error)
 
@@ -179,10 +184,10 @@ class Forked:
     ``subprocess.Popen`` methods a rank's handle needs, for a child that
     ``Popen`` did not start (waited for by pid, as ``Popen`` does)."""
 
-    stdin = None
-
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, fds: dict[str, int] | None = None) -> None:
         self.pid = pid
+        self.fds = fds or {}  # env var -> the number of the fd it names, there
+        self.stdin: IO[bytes] | None = None  # a spare's: the pipe its assignment goes on
         self.returncode: int | None = None
         self._lock = threading.Lock()
 
