@@ -5,7 +5,7 @@ processes:
   threads, environment, working directory, sys.path, signal handlers and
   mask, its own session and process group, the parent-death signal (armed,
   and its parent the controller), open fds and stdio, device pinning; and
-  its random seeds are its own;
+  its random seeds are its own; ps and psutil see its environment;
 * a killed forked rank comes back forked, as the controller's child; a
   spare forked from the warm process becomes the rank it replaces;
 * the controller's death takes its forked ranks (and the warm process) with
@@ -117,6 +117,8 @@ def test_a_forked_rank_is_the_fresh_rank_it_stands_for() -> None:
     with Mesh.start(n=2, backend="cpu", fork=False) as fresh_mesh:
         assert not any(p.forked for p in fresh_mesh._ctl.supervisor.procs.values())
         fresh = _snapshots(fresh_mesh)
+        fresh_seen = {r: {k for k in psutil.Process(s["pid"]).environ() if k not in PER_MESH}
+                      for r, s in fresh.items()}
     with Mesh.start(n=2, backend="cpu") as mesh:
         sup = mesh._ctl.supervisor
         assert sup.warm is not None and all(p.forked for p in sup.procs.values())
@@ -134,6 +136,11 @@ def test_a_forked_rank_is_the_fresh_rank_it_stands_for() -> None:
             assert b["ppid"] == os.getpid() and b["pdeathsig"] == int(signal.SIGKILL)
             assert b["session_leader"] and b["stdio"] == ["devnull", "log", "log"]
             assert psutil.Process(b["pid"]).ppid() == os.getpid()
+            # what ps and psutil read (/proc/<pid>/environ): the rank's, as a fresh one's
+            seen = {k: v for k, v in psutil.Process(b["pid"]).environ().items()
+                    if k not in PER_MESH}
+            assert seen.get("RANK") == str(rank) and "MONARCH_NB_WARM" not in seen
+            assert set(seen) == set(fresh_seen[rank]), set(seen) ^ set(fresh_seen[rank])
         # each rank drew its own seeds, not the warm process's
         assert forked[0]["random"] != forked[1]["random"]
         # the pid the supervisor holds is the rank's own

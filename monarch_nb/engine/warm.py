@@ -27,6 +27,8 @@ interpreter started (a fresh interpreter's); the rank's environment,
 working directory and ``sys.path`` (engine/spare.py's ``apply``, shared with
 spares); fresh seeds for ``random`` and NumPy's global generator (torch's
 default generator is untouched: a fresh process has the same fixed seed).
+``/proc/<pid>/environ`` shows the rank's environment where the kernel
+lets an unprivileged process say where it is (``_publish_environ``).
 What a fork cannot give a fresh interpreter's way: the string hash seed
 (every rank forked from one warm process has the warm process's; set
 ``PYTHONHASHSEED`` or ``fork=False`` if that matters).
@@ -47,6 +49,7 @@ side (procs/warm.py).
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import importlib
 import json
@@ -231,12 +234,56 @@ def _become(sock: socket.socket, request: dict[str, Any], fds: list[int], middle
     spare.apply({"env": env, "cwd": request.get("cwd")})
     if config.ENV_SPARE in env:  # (apply drops it: a spare's own assignment is to come)
         os.environ[config.ENV_SPARE] = env[config.ENV_SPARE]
+    _publish_environ(env)
     random.seed()  # from os.urandom, as at a fresh interpreter's import
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()
     # The warm process's objects stay frozen: a full collection would write
     # to each one's header, and so unshare every page torch's modules hold.
+
+
+class _MMMap(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "start_code", "end_code", "start_data", "end_data", "start_brk", "brk", "start_stack",
+        "arg_start", "arg_end", "env_start", "env_end", "auxv")] + [
+        ("auxv_size", ctypes.c_uint32), ("exe_fd", ctypes.c_uint32)]
+
+
+_environ_block: ctypes.Array[ctypes.c_char] | None = None  # lives as long as the process
+
+
+def _publish_environ(env: dict[str, str]) -> bool:
+    """Make ``/proc/<pid>/environ`` (``ps e``, psutil's ``environ()``) show
+    ``env``, the rank's, as a fresh rank's shows the environment it was
+    started with, rather than the warm process's: the kernel is pointed at
+    a copy of it (``PR_SET_MM_MAP``, which needs no privilege on kernels
+    built with checkpoint/restore). False where it cannot be done: the old
+    block then stays (os.environ, what the rank's code reads, is right
+    either way)."""
+    global _environ_block
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        # /proc/self/stat fields 26-28 and 45-51 (1-based; the split starts at field 3)
+        start_code, end_code, start_stack = (int(fields[i - 3]) for i in (26, 27, 28))
+        start_data, end_data, start_brk, arg_start, arg_end = (
+            int(fields[i - 3]) for i in (45, 46, 47, 48, 49))
+        block = b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()) or b"\0"
+        buf = ctypes.create_string_buffer(block, len(block))
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.sbrk.restype = ctypes.c_void_p
+        brk = libc.sbrk(0)
+        addr = ctypes.addressof(buf)
+        mm = _MMMap(start_code, end_code, start_data, end_data, start_brk, brk, start_stack,
+                    arg_start, arg_end, addr, addr + len(block), 0, 0, 0xFFFFFFFF)
+        # PR_SET_MM (35), PR_SET_MM_MAP (14)
+        if libc.prctl(35, 14, ctypes.byref(mm), ctypes.sizeof(mm), 0) != 0:
+            return False
+    except (OSError, ValueError, IndexError, AttributeError):
+        return False
+    _environ_block = buf
+    return True
 
 
 def _only_fds(keep: set[int]) -> None:
