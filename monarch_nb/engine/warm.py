@@ -199,11 +199,22 @@ def _double_fork(sock: socket.socket, request: dict[str, Any], fds: list[int]) -
 def _become(sock: socket.socket, request: dict[str, Any], fds: list[int], middle: int) -> None:
     """Make this forked child what a fresh rank is (module docstring)."""
     os.setsid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    log = os.open(str(request["log"]), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.dup2(log, 1)  # first: what goes wrong from here on is in the rank's log
+    os.dup2(log, 2)
+    os.close(log)
     parent = int(request["parent"])
     deadline = time.monotonic() + _REPARENT_WAIT_S
     while os.getppid() != parent:  # the intermediate exits at once: then we are the parent's
         if os.getppid() != middle or time.monotonic() > deadline:
-            os._exit(3)  # the intended parent died meanwhile (we went to init)
+            # the intended parent died meanwhile (we went to init), or was
+            # no subreaper when the intermediate exited
+            print(f"monarch_nb: a forked rank was not handed to its controller (pid "
+                  f"{parent}): its parent is pid {os.getppid()} (the intermediate was "
+                  f"{middle})", file=sys.stderr, flush=True)
+            os._exit(3)
         time.sleep(0.0002)
     sock.detach()  # its fd is closed below with the rest, not by the object later
     env: dict[str, str] = {str(k): str(v) for k, v in request["env"].items()}
@@ -217,14 +228,10 @@ def _become(sock: socket.socket, request: dict[str, Any], fds: list[int], middle
     if stdin is not None:
         keep.add(fds[int(stdin)])
     _only_fds(keep)
-    log = os.open(str(request["log"]), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
     source = os.open(os.devnull, os.O_RDONLY) if stdin is None else fds[int(stdin)]
     os.dup2(source, 0)
-    for fd in (log, source):
-        if fd > 2:
-            os.close(fd)
+    if source > 2:
+        os.close(source)
     for sig, handler in _STARTUP_HANDLERS.items():
         try:
             signal.signal(sig, handler)
