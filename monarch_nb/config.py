@@ -69,6 +69,33 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 ENV_SSH = "MONARCH_NB_SSH"
 ENV_SPARE = "MONARCH_NB_SPARE"  # set in a spare's environment: wait for an assignment
 SPARE_WAITING = "monarch_nb spare: torch imported, waiting for a rank"  # a spare writes this to its log
+ENV_WARM = "MONARCH_NB_WARM"  # set in a warm process's environment: fork ranks on request
+ENV_PRELOAD = "MONARCH_NB_PRELOAD"  # a warm process's: the user's modules to import, comma-separated
+# "0": fresh interpreters for every rank (``fork=False``), for scripts and launchers
+ENV_FORK = "MONARCH_NB_FORK"
+
+
+def parse_preload(value: object) -> tuple[str, ...]:
+    """``preload`` as module names: a list of names, or one comma-separated
+    string (``--preload transformers,datasets``)."""
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, (str, bytes)) and hasattr(names, "__iter__"):
+        names = list(names)
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise UsageError(f"preload must be module names (a list, or one string separated by "
+                         f"commas), not {value!r}")
+    out = tuple(n.strip() for n in names if n.strip())
+    bad = [n for n in out if not all(part.isidentifier() for part in n.split("."))]
+    if bad:
+        raise UsageError(f"preload: {', '.join(map(repr, bad))} is not a module name; "
+                         "give importable names such as 'transformers' or 'torch.nn'")
+    return out
+
+
+def fork_default() -> bool:
+    """``fork``'s default: on, unless ``MONARCH_NB_FORK=0`` (or ``false``,
+    ``no``, ``off``) is in the environment."""
+    return os.environ.get(ENV_FORK, "1").strip().lower() not in ("0", "false", "no", "off")
 DEFAULT_SSH = "ssh -T -o BatchMode=yes {host}"
 
 
@@ -176,6 +203,18 @@ class MeshConfig:
         place; when the group goes on without lost ranks (``min_ranks``) the
         others restart at the new size. Respawn ``rank`` only; ``all``
         restarts every rank anyway, ``off`` none.
+    fork: start the ranks on this machine (and their spares) by forking
+        one warm process that imported torch once (engine/warm.py,
+        docs/warm-process.md): a cold start without one ``import torch``
+        per rank, a respawn in milliseconds, torch's pages shared between
+        the ranks. The warm process never initialises a GPU nor starts a
+        thread, and checks both before each fork. ``False`` starts every
+        rank as a fresh interpreter (builds where forking is unsafe); so
+        does ``MONARCH_NB_FORK=0`` in the environment (the default's source).
+    preload: modules the warm process imports besides torch (``fork``
+        only), so that every rank starts with them imported and shares
+        their memory: ``["transformers"]``, ``"transformers,datasets"``. A
+        module that fails to import fails ``Mesh.start`` with its error.
     relay: a *remote* rank's channels go through its host's agent
         (wire/hostrelay.py): one connection per host, one message per host
         for a call to its ranks, batched results and heartbeats. Signed end
@@ -215,6 +254,8 @@ class MeshConfig:
     keep_alive: float | None = None
     min_ranks: int | None = None
     restart_group: bool = False
+    fork: bool = field(default_factory=fork_default)
+    preload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1):
@@ -262,6 +303,9 @@ class MeshConfig:
             raise UsageError(f"local_link must be True or False, not {self.local_link!r}")
         if not isinstance(self.relay, bool):
             raise UsageError(f"relay must be True or False, not {self.relay!r}")
+        if not isinstance(self.fork, bool):
+            raise UsageError(f"fork must be True or False, not {self.fork!r}")
+        object.__setattr__(self, "preload", parse_preload(self.preload))
         if isinstance(self.spare_hosts, str):
             object.__setattr__(self, "spare_hosts", tuple(h for h in self.spare_hosts.split(",") if h))
         if (isinstance(self.host_timeout, bool) or not isinstance(self.host_timeout, (int, float))

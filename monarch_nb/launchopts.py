@@ -551,8 +551,10 @@ def plan(ns: argparse.Namespace) -> Plan:
         moot("--monitor-interval", "a rank's death is seen at once (pidfd) and a hung one by "
                                    "its heartbeats")
     if ns.start_method in ("fork", "forkserver"):
-        moot(f"--start-method {ns.start_method}", "ranks are always fresh interpreters "
-                                                  "(spawn), never forks")
+        moot(f"--start-method {ns.start_method}", "a host's ranks are forked from its warm "
+                                                  "process, which imported torch but never a "
+                                                  "device (MONARCH_NB_FORK=0: fresh "
+                                                  "interpreters; docs/warm-process.md)")
     if ns.event_log_handler:
         moot("--event-log-handler", "monarch_nb's events are shown here and in mesh.events")
     if ns.local_addr:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import backends, notices
-from .config import MeshConfig, check_hang_timeout
+from .config import MeshConfig, check_hang_timeout, parse_preload
 from .controller.analysis import timeline
 from .controller.analysis.collectives import (
     STRAGGLER_FACTOR,
@@ -304,7 +304,8 @@ class Mesh(_RankSet):
               launcher: str | launchers.Launcher = "local", hosts: Iterable[str] | str = (), *,
               progress: Callable[[list[RankInfo]], None] | None = None,
               name: str | None = None, keep_alive: float | str | None = None,
-              min_ranks: int | None = None, **options: Any) -> Mesh:
+              min_ranks: int | None = None, fork: bool | None = None,
+              preload: Iterable[str] | str = (), **options: Any) -> Mesh:
         """Start ``n`` ranks and wait until they joined their torch.distributed
         group. ``n`` defaults to the visible GPUs, else min(4, CPU cores).
         ``min_ranks``: an elastic world size. When ranks are gone for good
@@ -315,6 +316,11 @@ class Mesh(_RankSet):
         :class:`~monarch_nb.results.Lost`. Mesh
         rank numbers stay as they are. ``None`` (default): the group keeps
         every rank, and a rank gone for good ends the elastic calls.
+        ``fork``: this machine's ranks are forked from one warm process that
+        imported torch once (docs/warm-process.md); ``False`` starts each
+        as a fresh interpreter; ``None`` (default): on, unless
+        ``MONARCH_NB_FORK=0`` is set. ``preload``: modules the warm process
+        imports too (``["transformers"]``), so every rank starts with them.
         ``name``, ``keep_alive``: a *kept* mesh, which outlives this process
         (a kernel restarted, shut down or killed) for ``keep_alive`` seconds
         (``"30m"``, ``"2h"``; default 30 min) and which :meth:`attach` takes
@@ -330,10 +336,13 @@ class Mesh(_RankSet):
         custom = None if isinstance(launcher, str) else launcher
         if custom is not None and n is None:
             raise UsageError("Mesh.start with a Launcher object needs n (the number of ranks)")
+        if fork is not None:
+            options["fork"] = fork
         cfg = MeshConfig(n=n, backend=backend, respawn=respawn,  # type: ignore[arg-type]
                          launcher="local" if custom is not None else launcher,  # type: ignore[arg-type]
                          hosts=tuple(hosts), name=name, min_ranks=min_ranks,
-                         keep_alive=keep_alive, **options)  # type: ignore[arg-type]
+                         keep_alive=keep_alive,  # type: ignore[arg-type]
+                         preload=parse_preload(preload), **options)
         if custom is not None:
             spawner, world = custom, cfg.n or 0
         else:

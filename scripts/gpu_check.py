@@ -7,6 +7,9 @@ One rank per visible GPU (at most 8), then, each within the 8-minute budget:
 * health: the dashboard's GPU figures (memory, utilisation, temperature,
   power) come from nvidia-ml-py / amdsmi, not n/a;
 * a GPU rank killed (SIGKILL) comes back on its device and the group works;
+* the ranks, the respawned one too, were forked from the warm process
+  (docs/warm-process.md), which still runs one thread (it never initialised
+  the device: the checks above ran on forked ranks);
 * a DDP step: gradients averaged, the replicas stay equal;
 * the flight recorder on NCCL/RCCL: the wrappers' records of the
   all_reduce and broadcast above, and torch's own recorder's records of
@@ -379,6 +382,23 @@ def main() -> int:
             _expect(inc >= 1, "the rank was not respawned")
             return f"rank {victim} back in {back:.1f} s, same device, incarnation {inc}"
 
+        def forked() -> str:
+            # the ranks (the respawned one too) were forked from the warm
+            # process, which never initialised a device (engine/warm.py)
+            import psutil
+
+            sup = mesh._ctl.supervisor
+            _expect(not sup.fork_off, f"forking was turned off: {sup.fork_off}")
+            _expect(sup.warm is not None, "no warm process")
+            not_forked = [r for r, p in sup.procs.items() if not p.forked]
+            _expect(not not_forked, f"ranks not forked: {not_forked}")
+            warm = psutil.Process(sup.warm.pid)
+            _expect(warm.num_threads() == 1, f"the warm process runs {warm.num_threads()} threads")
+            driver = sorted({m.path.rsplit("/", 1)[-1] for m in warm.memory_maps()
+                             if "libcuda.so" in m.path or "libamdhip" in m.path})
+            return (f"{len(sup.procs)} forked rank(s) on their GPUs, the respawn too; warm process: "
+                    f"1 thread, driver libraries mapped: {', '.join(driver) or 'none'}")
+
         def ddp() -> str:
             res = mesh.run(_ddp_step, timeout=CALL_TIMEOUT_S)
             weights = {round(v[1], 5) for v in res.values()}
@@ -389,6 +409,7 @@ def main() -> int:
         checks.check("nccl all_reduce+broadcast", collectives)
         checks.check("health figures", health)
         checks.check("kill a GPU rank, back", kill_and_back)
+        checks.check("ranks forked from the warm process", forked)
         def recorder() -> str:
             report = mesh.collectives()
             _expect(report.ok, f"findings on a healthy mesh: {report.summary()}")

@@ -125,6 +125,8 @@ def _owned_by(meshes: list[Mesh]) -> set[int]:
             pids.update(p.pid for p in sup.procs.values())
             if sup.spare is not None:
                 pids.add(sup.spare.pid)
+            if sup.warm is not None:  # the warm process the ranks are forked from
+                pids.add(sup.warm.pid)
     return pids
 
 
@@ -188,7 +190,7 @@ def no_leftovers() -> Iterator[None]:
             mesh_ids = {m._ctl.mesh_id for m in mesh_mod._live_meshes}
             about.append(
                 f"pid {pid}: parent {p.ppid()}, {p.status()}, up {time.time() - p.create_time():.1f} s, "
-                f"{'a spare' if env.get('MONARCH_NB_SPARE') else 'rank ' + env.get('RANK', '?')}"
+                f"{'a spare' if env.get('MONARCH_NB_SPARE') else 'a warm process' if env.get('MONARCH_NB_WARM') else 'rank ' + env.get('RANK', '?')}"
                 f" incarnation {env.get('MONARCH_NB_INCARNATION', '?')}, mesh "
                 f"{env.get('MONARCH_NB_MESH_ID', '?')} "
                 f"({'live' if env.get('MONARCH_NB_MESH_ID') in mesh_ids else 'not a live mesh'})")

@@ -193,6 +193,7 @@ class _Proc:
     pid: int
     pidfd: int | None = None
     from_spare: bool = False
+    forked: bool = False
     link: Any = None  # no link: a simulated process
 
 

@@ -92,7 +92,7 @@ def test_setup_replay_that_raises_is_reported() -> None:
 
 
 def test_repeated_kills_past_the_budget_mark_the_rank_failed() -> None:
-    with Mesh.start(n=2, backend="cpu", restart_budget=2) as mesh:
+    with Mesh.start(n=2, backend="cpu", fork=False, restart_budget=2) as mesh:  # a spare process: fresh interpreters only
         for inc in (1, 2):
             mesh.kill(1)
             wait_for(lambda inc=inc: _back(mesh, 1, inc), timeout=60, what=f"incarnation {inc}")

@@ -286,7 +286,7 @@ def test_an_oversized_message_on_a_link_is_dropped_before_it_is_kept() -> None:
 
 
 def test_a_killed_ranks_link_is_closed_and_its_successor_gets_a_new_one() -> None:
-    with Mesh.start(n=2, backend="cpu") as mesh:
+    with Mesh.start(n=2, backend="cpu", fork=False) as mesh:  # a spare process: fresh interpreters only
         io = mesh._ctl.io
         old_id = mesh._ctl.ranks[1].main_id
         old = io._links[old_id]
@@ -306,7 +306,7 @@ def test_a_killed_ranks_link_is_closed_and_its_successor_gets_a_new_one() -> Non
 
 
 def test_a_dead_spares_link_is_closed() -> None:
-    with Mesh.start(n=1, backend="cpu") as mesh:
+    with Mesh.start(n=1, backend="cpu", fork=False) as mesh:  # a spare process: fresh interpreters only
         sup = mesh._ctl.supervisor
         wait_for(lambda: sup.spare_link is not None, timeout=60, what="a spare with its link")
         assert sup.spare_link is not None and sup.spare is not None

@@ -182,6 +182,18 @@ def test_max_restarts_is_the_restart_budget_and_a_bad_value_refused(kernel: Kern
     # is shown by notebooks/03_fault_tolerance.ipynb, run by nbval
 
 
+def test_preload_is_parsed_and_a_bad_name_refused_before_anything_starts(
+        kernel: KernelSession) -> None:
+    from monarch_nb.ui.magics import _P, _parse
+
+    assert _parse(_P.start, "-n 2 --preload json,csv").preload == "json,csv"
+    r = failed(kernel, "%monarch start -n 2 --backend cpu --preload json,9lives --no-dashboard")
+    assert r.error is not None and r.error["ename"] == "UsageError", r.traceback
+    assert "'9lives' is not a module name" in r.traceback
+    assert not any("starting ranks" in d for d in r.displays)  # refused before saying so
+    assert py_value(kernel, f"{MAGICS}.mesh is None") is True
+
+
 def test_python_api_reaches_the_mesh_the_magics_started(mesh: KernelSession) -> None:
     r = ok(mesh, "import monarch_nb\n"
                  "m = monarch_nb.Mesh.current()\n"

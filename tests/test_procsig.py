@@ -61,7 +61,7 @@ def _all_reduce_sum() -> float:
 
 @pytest.mark.timeout(120)
 def test_a_rank_made_from_the_spare_is_the_rank_it_replaces() -> None:
-    with Mesh.start(n=2, backend="cpu") as mesh:
+    with Mesh.start(n=2, backend="cpu", fork=False) as mesh:  # a spare process: fresh interpreters only
         sup = mesh._ctl.supervisor
         wait_for(sup.spare_ready, timeout=60, what="a spare with torch imported")
         before = _snapshot(mesh, 1)

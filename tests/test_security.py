@@ -532,7 +532,9 @@ def test_local_process_cannot_squat_a_rank_identity(
 
     def start() -> None:
         try:
-            result["mesh"] = Mesh.start(n=1, backend="cpu", start_timeout=60,
+            # a fresh interpreter (fork=False): the pause is its start-up's
+            # (a forked rank has none, and connects within milliseconds)
+            result["mesh"] = Mesh.start(n=1, backend="cpu", start_timeout=60, fork=False,
                                         extra_env=(("PYTHONPATH", pythonpath),))
         except BaseException as exc:
             result["error"] = exc

@@ -145,7 +145,10 @@ class Controller:
             restart_budget=cfg.restart_budget,
             shm_threshold=cfg.shm_threshold,
             local_links=cfg.local_link,
+            fork=cfg.fork, preload=cfg.preload,
         )
+        # torch's import in the warm process overlaps the rest of the start
+        self.supervisor.start_warm()
         launcher = self.supervisor.launcher
         if getattr(launcher, "relays", False) is True and cfg.relay:
             # a launcher whose ranks' main channels go through their host's

@@ -50,7 +50,7 @@ from ..wire.metas import meta_of
 from ..wire.metricframes import encode as encode_metrics
 from ..wire.protocol import Codec, Kind, Message
 from . import context as _context
-from . import dap_rank, debug, flightrec, kept, metrics, pgcompat, spare
+from . import dap_rank, debug, flightrec, kept, metrics, pgcompat, spare, warm
 from .capture import OutputBuffer, RankStream
 from .health import HealthProbe
 from .membership import Membership
@@ -620,11 +620,18 @@ def describe_frame(frame: Any) -> str:
     return " <- ".join(parts)
 
 
-def main() -> None:
+def _arm_parent_death() -> None:
     _set_parent_death_signal()
     parent = os.environ.get(config.ENV_PARENT_PID)
     if parent and os.getppid() != int(parent):
         os._exit(3)  # the controller died before we could arm the death signal
+
+
+def main() -> None:
+    _arm_parent_death()
+    if os.environ.get(config.ENV_WARM):
+        warm.serve()  # returns only in a rank it forked, made as a fresh one (warm.py)
+        _arm_parent_death()  # a fork's is cleared; its parent is the requester now
     if os.environ.get(config.ENV_SPARE):
         spare.wait_for_assignment()  # torch imported ahead of need (spare.py)
     env = RankEnv.from_environ()

@@ -1,7 +1,8 @@
 """The supervisor's side of spare processes: start one, hand it a rank, discard it.
 
-A spare is a fresh ``python -m monarch_nb.worker`` with torch imported that
-waits on its stdin for a rank's environment (see engine/spare.py for the
+A spare is a fresh ``python -m monarch_nb.worker`` (or, with ``fork``, a
+fork of the warm process: procs/warm.py) with torch imported that waits on
+its stdin for a rank's environment (see engine/spare.py for the
 spare's own side and why this is safe on GPUs).
 
 Non-goals: when to keep a spare (recovery), spawning ranks (supervisor).
@@ -16,6 +17,7 @@ import sys
 
 from ..config import ENV_SPARE, private
 from ..config import SPARE_WAITING as WAITING
+from .launchers import Handle
 
 
 def is_waiting(log_path: str) -> bool:
@@ -40,7 +42,7 @@ def start(env: dict[str, str], log_path: str,
         )
 
 
-def assign(popen: subprocess.Popen[bytes], env: dict[str, str], log_path: str) -> bool:
+def assign(popen: Handle, env: dict[str, str], log_path: str) -> bool:
     """Make a waiting spare rank ``env``; False if it is gone."""
     if popen.poll() is not None or popen.stdin is None:
         return False
@@ -53,7 +55,7 @@ def assign(popen: subprocess.Popen[bytes], env: dict[str, str], log_path: str) -
     return True
 
 
-def discard(popen: subprocess.Popen[bytes]) -> None:
+def discard(popen: Handle) -> None:
     """End a spare nobody needs (end of file on its pipe, then SIGKILL)."""
     try:
         if popen.stdin is not None:

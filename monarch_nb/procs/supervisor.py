@@ -1,8 +1,12 @@
 """Supervisor: starts rank processes, notices their exit, stops them.
 
-Ranks are fresh interpreters (``python -m monarch_nb.worker``) started with
-``subprocess.Popen`` — never ``fork`` of the kernel, which may have
-initialised CUDA. The key travels in the child's environment (never argv).
+Ranks are forked from this host's warm process (procs/warm.py,
+engine/warm.py: one ``python -m monarch_nb.worker`` that imported torch and
+never touched a device), or, with ``fork=False``, fresh interpreters
+(``python -m monarch_nb.worker``) started with ``subprocess.Popen``; never a
+``fork`` of the kernel, which may have initialised CUDA. Either way a rank is
+our child, in its own session, with the same environment. The key travels
+in the child's environment (never argv).
 Each rank writes stdout/stderr to its own log file in a private (0700)
 directory: ``RankDied`` quotes its last lines and ``%monarch logs`` reads it.
 
@@ -29,10 +33,10 @@ Non-goals: what to do about a death (controller now, policy.py later).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,9 +48,12 @@ from .. import config, flight
 from ..backends import BackendInfo, pin_env
 from ..wire import link as links
 from . import deathcause, logdirs, spares
+from . import warm as warms
 from .agents import AgentLauncher, RemoteRank
 from .launchers import Handle, Launcher, LocalLauncher
 from .spawner import Spawner
+
+log = logging.getLogger("monarch_nb")
 
 
 @dataclass
@@ -58,6 +65,7 @@ class RankProcess:
     pidfd: int | None = None  # readable once it ended (a RemoteRank: its exit_fd)
     reaped: bool = False
     from_spare: bool = False  # a spare process became this rank (torch already imported)
+    forked: bool = False  # forked from the warm process (torch already imported)
     link: socket.socket | None = None  # our end of its link, until the I/O loop takes it
     sent: list[int] = field(default_factory=list)  # signals we sent it (a death's cause: deathcause.py)
     # what its persisted flight records said when it was reaped (call identity, records)
@@ -95,10 +103,17 @@ class Supervisor:
     log_dir: str = field(default_factory=logdirs.make)  # marked as ours; swept if we die
     procs: dict[int, RankProcess] = field(default_factory=dict)
     history: list[RankProcess] = field(default_factory=list)
-    spare: subprocess.Popen[bytes] | None = None  # torch imported, waiting (spares.py)
+    spare: Handle | None = None  # torch imported, waiting (spares.py): a Popen, or forked
     spare_log: str = ""
     spare_link: tuple[socket.socket, int] | None = None  # our end of the spare's, its fd there
     _spares: int = 0
+    # Local ranks forked from a warm process (procs/warm.py); off: fresh
+    # interpreters. ``fork_off`` says why forking stopped, when it did.
+    fork: bool = False
+    preload: tuple[str, ...] = ()
+    warm: warms.WarmProcess | None = None
+    fork_off: str = ""
+    _warms: int = 0
     # Set by terminate_all: a process a respawn or keep_spare forks after
     # that (the I/O thread racing a stop) is killed at once, not kept.
     closed: bool = False
@@ -223,8 +238,16 @@ class Supervisor:
         ours, theirs = links.pair() if self.links_on else (None, None)
         theirs_fd = -1 if theirs is None else theirs.fileno()  # its number there too
         try:
-            popen = self.spawner.call(spares.start, env, self.spare_log,
-                                      () if theirs is None else (theirs_fd,))
+            if self.forks:
+                made = self._fork_spare(env, theirs)
+                if made is None:
+                    if ours is not None:
+                        ours.close()
+                    return
+                popen, theirs_fd = made
+            else:
+                popen = self.spawner.call(spares.start, env, self.spare_log,
+                                          () if theirs is None else (theirs_fd,))
         except BaseException:
             if ours is not None:
                 ours.close()
@@ -263,6 +286,105 @@ class Supervisor:
         return (self.spare is not None and self.spare.poll() is None
                 and spares.is_waiting(self.spare_log))
 
+    @property
+    def forks(self) -> bool:
+        """Ranks are forked from the warm process: asked for (``fork``), on
+        this machine's own launcher, where Linux allows, and not turned off
+        by a failure (``fork_off``)."""
+        return (self.fork and not self.fork_off and type(self.launcher) is LocalLauncher
+                and warms.available())
+
+    def start_warm(self) -> None:
+        """Start the warm process now (it imports torch while the rest of
+        the start goes on); a no-op unless ranks are forked."""
+        if self.closed or not self.forks or (
+                self.warm is not None and self.warm.popen.poll() is None):
+            return
+        env = dict(os.environ)
+        for var in (config.ENV_KEY_FILE, config.ENV_KEY, config.ENV_LINK_FD, config.ENV_SPARE):
+            env.pop(var, None)
+        env.update(self.extra_env)  # what torch reads at import is the ranks'
+        self._thread_defaults(env, self.launcher.placement(0, self.world_size).local_world_size)
+        self._warms += 1
+        path = os.path.join(self.log_dir, f"warm{self._warms}.log")
+        started = self.spawner.call(warms.WarmProcess.start, env, path, self.preload)
+        with self._lock:
+            if not self.closed:
+                self.warm = started
+                return
+        started.stop()  # the mesh stopped while it started
+
+    def _fork_rank(self, env: dict[str, str],
+                   log_path: str) -> tuple[Handle, socket.socket | None] | None:
+        """``env``'s rank forked from the warm process, and our end of its
+        link; None when forking is off or stops now (a fresh interpreter
+        then; ``fork_off`` says why). A preload that failed is the user's
+        to fix: UsageError."""
+        if not self.forks:
+            return None
+        if self.warm is None or self.warm.popen.poll() is not None:
+            self.start_warm()
+        warm = self.warm
+        if warm is None:
+            return None
+        ours, theirs = links.pair() if self.links_on else (None, None)
+        fds = {} if theirs is None else {config.ENV_LINK_FD: theirs.fileno()}
+        try:
+            warm.wait_ready()  # here, not on the spawner thread: torch's import takes seconds
+            child = self.spawner.call(warm.fork, env, log_path, fds)
+        except warms.WarmError as exc:
+            if ours is not None:
+                ours.close()
+            if str(exc).startswith("preload "):
+                from ..errors import UsageError
+
+                raise UsageError(f"{exc}; fix the module or leave it out of preload "
+                                 f"(Mesh.start(preload=...), %monarch start --preload)") from None
+            self.fork_off = str(exc)
+            log.warning("monarch_nb: ranks start as fresh interpreters from now on: the warm "
+                        "process cannot fork (%s)", exc)
+            self.stop_warm()
+            return None
+        finally:
+            if theirs is not None:
+                theirs.close()  # the warm process sent it on; the rank holds it now
+        return child, ours
+
+    def _fork_spare(self, env: dict[str, str],
+                    link: socket.socket | None) -> tuple[Handle, int] | None:
+        """A spare forked from the warm process (its assignment comes on a
+        pipe, as a fresh spare's does), and its link end's number there;
+        None while the warm process is not ready (it is never waited for
+        here: this runs on the I/O thread) or when forking stops now."""
+        warm = self.warm
+        if warm is None or warm.popen.poll() is not None:
+            self.start_warm()  # it died (out of memory?): another one, for the next spare
+            return None
+        if not warm.ready:
+            return None
+        fds = {} if link is None else {config.ENV_LINK_FD: link.fileno()}
+        r, w = os.pipe()
+        try:
+            child = self.spawner.call(warm.fork, {**env, config.ENV_SPARE: "1"}, self.spare_log,
+                                      fds, None, r)
+        except warms.WarmError as exc:
+            os.close(w)
+            self.fork_off = str(exc)
+            log.warning("monarch_nb: ranks start as fresh interpreters from now on: the warm "
+                        "process cannot fork (%s)", exc)
+            self.stop_warm()
+            return None
+        finally:
+            os.close(r)
+        child.stdin = os.fdopen(w, "wb", buffering=0)
+        return child, child.fds.get(config.ENV_LINK_FD, -1)
+
+    def stop_warm(self) -> None:
+        with self._lock:
+            warm, self.warm = self.warm, None
+        if warm is not None:
+            warm.stop()
+
     def spawn(self, rank: int, incarnation: int, identity: str) -> RankProcess:
         log_path = os.path.join(self.log_dir, f"rank{rank}.{incarnation}.log")
         if self.closed:  # stopping: the process is killed at once (below), its log is gone
@@ -286,9 +408,14 @@ class Supervisor:
                     ours = None
                 env.pop(config.ENV_LINK_FD, None)
         from_spare = popen is not None
+        forked = False
+        if popen is None and (made := self._fork_rank(env, log_path)) is not None:
+            (popen, ours), forked = made, True
         if popen is None:
             popen, ours = self._start_rank(rank, env, log_path)
-        proc = RankProcess(rank, incarnation, popen, log_path, from_spare=from_spare, link=ours)
+        forked = forked or isinstance(popen, warms.Forked)  # a forked spare's too
+        proc = RankProcess(rank, incarnation, popen, log_path, from_spare=from_spare, link=ours,
+                           forked=forked)
         from ..wire.transport import pidfd_open
 
         proc.pidfd = popen.exit_fd if isinstance(popen, RemoteRank) else pidfd_open(popen.pid)
@@ -584,6 +711,7 @@ class Supervisor:
             spare_link[0].close()
         if spare is not None:
             spares.discard(spare)
+        self.stop_warm()  # forks nothing more; its ranks are ours, stopped below
         if isinstance(self.launcher, AgentLauncher):  # host agents stop their ranks, with the grace
             self.launcher.close(grace)
         for proc in [p for p in self.history if p.popen.poll() is None
@@ -617,6 +745,9 @@ class Supervisor:
         spare = self.spare
         if spare is not None and spare.poll() is None:
             leaders.append(spare.pid)
+        warm = self.warm
+        if warm is not None:
+            leaders.append(warm.pid)
         for pid in leaders:
             kill_tree(pid)
 

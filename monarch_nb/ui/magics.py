@@ -29,7 +29,7 @@ HELP = """\
 %monarch start [-n N] [--backend auto|cuda|rocm|cpu] [--respawn rank|all|off]
                [--launcher local|ssh|slurm] [--hosts H1,H2] [--spare-hosts H3] [--no-dashboard]
                [--hang-timeout SECONDS] [--name NAME --keep-alive DURATION] [--min-ranks M]
-               [--max-restarts N]
+               [--max-restarts N] [--preload MOD[,MOD]]
 %monarch stop [--signal TERM] [--grace S] | status | dashboard | help
 %monarch attach NAME [--force]                  take over a kept mesh (it outlives its kernel)
 %monarch detach                                 let a kept mesh go on without this kernel
@@ -76,6 +76,9 @@ class _Parsers:
     @argument("--keep-alive", default=None,
               help="how long a kept mesh waits for a kernel to attach: 90s, 30m, 2h "
                    "(default 30m)")
+    @argument("--preload", default="", metavar="MODS",
+              help="modules the host's warm process imports besides torch (comma-separated), "
+                   "so every rank starts with them imported (docs/warm-process.md)")
     @argument("--min-ranks", type=int, default=None, metavar="M",
               help="elastic world size: when ranks are gone for good (restart budget spent, "
                    "host lost with no spare) and at least M are left, the group re-forms "
@@ -256,7 +259,7 @@ class MonarchMagics(Magics):
                    hosts=tuple(h for h in args.hosts.split(",") if h),
                    hang_timeout=args.hang_timeout, spare_hosts=args.spare_hosts,
                    host_timeout=args.host_timeout, name=args.name, keep_alive=args.keep_alive,
-                   min_ranks=args.min_ranks, **budget)
+                   min_ranks=args.min_ranks, preload=args.preload, **budget)
         from IPython.display import display
 
         handle = display(_Text("monarch_nb: starting ranks..."), display_id=True)
@@ -272,7 +275,8 @@ class MonarchMagics(Magics):
                                launcher=args.launcher, hosts=args.hosts, progress=progress,
                                hang_timeout=args.hang_timeout, spare_hosts=args.spare_hosts,
                                host_timeout=args.host_timeout, name=args.name,
-                               keep_alive=args.keep_alive, min_ranks=args.min_ranks, **budget)
+                               keep_alive=args.keep_alive, min_ranks=args.min_ranks,
+                               preload=args.preload, **budget)
         mesh = self.mesh
         if args.launcher == "local":
             _omp_notice(mesh.world_size)

@@ -155,7 +155,8 @@ class Recovery:
             self.io.attach_link(info.main_id, link)
         info.pid = proc.pid
         self.ranks.record(rank, EventKind.STARTED,
-                          f"pid {proc.pid}" + (", from a spare" if proc.from_spare else ""))
+                          f"pid {proc.pid}" + (", from a spare" if proc.from_spare
+                                               else ", forked" if proc.forked else ""))
         if proc.pidfd is not None:
             self.io.watch_fd(proc.pidfd, lambda: self._exit_seen(rank, proc))
 
