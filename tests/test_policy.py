@@ -568,6 +568,15 @@ def test_a_spare_is_started_once_settled_or_at_once_during_a_backoff() -> None:
     assert s.handle(SpareCheck(now=10.1, settled_for=0.0, all_live=False)) == [StartSpare()]
 
 
+def test_a_forked_spare_is_started_at_once() -> None:
+    # a fork from the warm process slows nothing: no settling first, so that
+    # a second kill right after the first finds a spare too
+    s = Script(2, base=1.0)
+    assert s.handle(SpareCheck(now=0.5, settled_for=0.5, all_live=True, cheap=True)) == [StartSpare()]
+    assert s.handle(SpareCheck(now=0.6, settled_for=0.0, all_live=False, cheap=True)) == [StartSpare()]
+    assert s.handle(SpareCheck(now=0.6, settled_for=0.0, all_live=False)) == []
+
+
 # -- elastic world size (min_ranks): the group goes on without ranks gone for good --
 
 def test_a_rank_past_its_budget_shrinks_the_group_when_min_ranks_are_left() -> None:

@@ -294,6 +294,13 @@ class Supervisor:
         return (self.fork and not self.fork_off and type(self.launcher) is LocalLauncher
                 and warms.available())
 
+    @property
+    def forks_now(self) -> bool:
+        """A rank or spare started now is forked from a warm process that is
+        ready: it costs milliseconds, not an interpreter's imports."""
+        warm = self.warm
+        return self.forks and warm is not None and warm.ready and warm.popen.poll() is None
+
     def start_warm(self) -> None:
         """Start the warm process now (it imports torch while the rest of
         the start goes on); a no-op unless ranks are forked."""

@@ -50,9 +50,10 @@ Decisions::
                                    -> also Kill + Move DEAD + Move WAITING of every
                                       other rank with a process not in an elastic loop
     Probed (READY/BUSY, in a collective)  -> ReplaceStuck (RESPAWNING, incarnation + 1)
-    SpareCheck                     -> StartSpare while a rank waits out its backoff, or
-                                      once the mesh has been settled ``SPARE_DELAY_S``
-                                      with every rank live
+    SpareCheck                     -> StartSpare while a rank waits out its backoff, at
+                                      once when it is forked (cheap), or once the mesh
+                                      has been settled ``SPARE_DELAY_S`` with every rank
+                                      live
 
 A Died of an incarnation the table has already replaced, or of a rank
 without a process (DEAD, WAITING, FAILED, LOST, STOPPED), is old news: no
@@ -203,11 +204,14 @@ class Probed:
 class SpareCheck:
     """May a spare process be started now? The mesh has had no start,
     death or respawn for ``settled_for`` seconds; ``all_live``: every rank
-    takes calls. Sent only while spares are on and none is held."""
+    takes calls; ``cheap``: the spare would be forked from a ready warm
+    process (milliseconds of CPU, its memory shared). Sent only while
+    spares are on and none is held."""
 
     now: float
     settled_for: float
     all_live: bool
+    cheap: bool = False
 
 
 Stimulus = Died | RestartRequested | Timer | HostLost | HostAdded | Probed | SpareCheck
@@ -608,6 +612,10 @@ class RestartPolicy:
         # once while a dead rank waits out its backoff: that wait is idle
         # time, and the spare, however far it got, becomes that rank.
         if self.next_deadline() is not None:
+            return True
+        # A forked spare slows nothing: at once, so that a second kill soon
+        # after the first finds one too (a fresh one imports torch: seconds)
+        if ev.cheap:
             return True
         return ev.settled_for >= SPARE_DELAY_S and ev.all_live
 

@@ -603,4 +603,5 @@ class Recovery:
         if not (self.cfg.spare and self.started and not self.stopped and sup.spare is None):
             return
         self.apply(self.policy.handle(SpareCheck(now, now - self.settled_at,
-                                                 all(r.state in LIVE for r in self.ranks))))
+                                                 all(r.state in LIVE for r in self.ranks),
+                                                 cheap=sup.forks_now)))
