@@ -286,6 +286,10 @@ SHRINK_GROW_DRIVER = '''
             state = subprocess.run(["sinfo", "-h", "-n", "n2", "-o", "%t"],
                                    capture_output=True, text=True).stdout.strip()
             out["n2_states"] = sorted(set(out.get("n2_states", [])) | {state})
+            if state != "idle":  # what holds it, should it never be idle
+                out["n2_node"] = subprocess.run(["scontrol", "show", "node", "-o", "n2"],
+                                                capture_output=True, text=True).stdout
+                out["n2_jobs"] = jobs()
             return state == "idle"
         until(back, "n2 idle")
         out["add_at"] = time.time()
