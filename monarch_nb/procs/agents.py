@@ -584,7 +584,11 @@ class AgentLauncher:
     def add_hosts(self, hosts: list[str]) -> None:
         """More hosts (``mesh.add_hosts``): a host of the placement that was
         lost is back (a SLURM node that returns: its lost agent is forgotten,
-        the next start there makes a new one); any other is a spare host."""
+        the next start there makes a new one); any other is a spare host.
+        A SLURM node must be up; one outside the allocation gets a job of
+        its own (launchers.SlurmLauncher.admit)."""
+        if isinstance(self.inner, SlurmLauncher):
+            self.inner.admit(hosts)
         with self._lock:
             for host in hosts:
                 agent = self.agents.get(host)

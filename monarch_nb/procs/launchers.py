@@ -7,8 +7,10 @@ The supervisor decides *when* a rank starts; a launcher decides *how*:
 * :class:`SshLauncher` — ``ssh HOST 'cd CWD; exec PYTHON -m monarch_nb.cli
   worker --key-file -'`` per rank (``--hosts a,b``);
 * :class:`SlurmLauncher` — ``srun --nodes=1 --ntasks=1 --nodelist=NODE ...``
-  per rank, inside an allocation (``salloc``/``sbatch``); ``--nodes`` and
-  ``--gpus-per-node`` map onto the allocation's nodes;
+  per node (its agent), inside an allocation (``salloc``/``sbatch``);
+  ``--nodes`` and ``--gpus-per-node`` map onto the allocation's nodes; a
+  node given later that is not in the allocation (a failed node SLURM took
+  out of the job, back) gets a one-node job of its own;
 * :class:`JoinLauncher` — starts nothing: writes each rank's spec to a 0600
   file and waits for ``monarch-nb worker --join tcp://HOST:PORT --key-file
   FILE`` to be run by hand, or by Kubernetes, or anything else. Its local
@@ -59,6 +61,12 @@ SHIPPED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
            "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE")
 NOT_SHIPPED = (config.ENV_PARENT_PID, config.ENV_KEY_FILE, config.ENV_SHM)
+# A SLURM node given back outside the allocation: how long its one-node job
+# may wait for the node (a node another job holds fails the start instead)
+SLURM_IMMEDIATE_S = 30
+# node states (scontrol's State=, split at "+") that no job can start on
+NODE_NOT_UP = {"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "NOT_RESPONDING",
+               "POWERED_DOWN", "POWER_DOWN", "POWERING_DOWN", "FUTURE"}
 
 
 @dataclass(frozen=True)
@@ -235,24 +243,68 @@ class SshLauncher(_RemoteLauncher):
 
 @dataclass
 class SlurmLauncher(_RemoteLauncher):
-    """One ``srun`` job step per rank, inside the current allocation (so a
-    single rank can be respawned on its node). ``--overlap`` lets a
-    replacement start while the old step is still being cleaned up."""
+    """One ``srun`` job step per node (its agent), inside the current
+    allocation. ``--overlap`` lets a replacement start while the old step is
+    still being cleaned up.
+
+    A node given later (``mesh.add_hosts``) that is not in the allocation
+    (any more) runs its agent in a one-node job of its own: SLURM takes a
+    failed node out of a ``--no-kill`` job for good, so a step there is
+    refused ("Requested node configuration is not available") even once the
+    node is back; :meth:`admit` decides, and says what is wrong with a node
+    that cannot be given."""
 
     name: str = "slurm"
+    # nodes given by add_hosts outside the allocation: a job of their own each
+    outside: set[str] = field(default_factory=set)
 
     def address_of(self, node: str) -> str:
         return slurm_node_address(node)
 
+    def _srun(self, host: str) -> list[str]:
+        if host not in self.outside:
+            return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap"]
+        # without the job's id srun asks for an allocation of its own; it
+        # ends with the agent (the mesh's close, the host lost). --immediate:
+        # a node another job took meanwhile fails the start (the host is
+        # then lost again, its agent log says why) rather than queueing
+        argv = ["env", "-u", "SLURM_JOB_ID", "-u", "SLURM_JOBID", "srun", "--nodes=1",
+                "--ntasks=1", f"--nodelist={host}", f"--immediate={SLURM_IMMEDIATE_S}",
+                f"--job-name=monarch-nb-{host}"]
+        for var, flag in (("SLURM_JOB_PARTITION", "--partition"),
+                          ("SLURM_JOB_ACCOUNT", "--account")):
+            if os.environ.get(var):
+                argv.append(f"{flag}={os.environ[var]}")
+        return argv
+
     def command(self, placement: Placement) -> list[str]:
-        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={placement.host}", "--overlap",
-                "--kill-on-bad-exit=1", "--quiet", *self.worker_argv()]
+        return [*self._srun(placement.host), "--kill-on-bad-exit=1", "--quiet",
+                *self.worker_argv()]
 
     def agent_command(self, host: str, controller_timeout: float) -> list[str]:
         # one step per node for its agent; the ranks are the agent's children
         # within that step (a rank respawned on the node needs no new step)
-        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap",
-                "--quiet", f"--chdir={self.cwd}", *self.agent_argv(controller_timeout, host)]
+        return [*self._srun(host), "--quiet", f"--chdir={self.cwd}",
+                *self.agent_argv(controller_timeout, host)]
+
+    def admit(self, hosts: list[str]) -> None:
+        """Hosts given by ``mesh.add_hosts``: each must be a node of the
+        cluster that SLURM has up (UsageError saying what to do otherwise);
+        one outside the allocation now gets a job of its own."""
+        inside = set(slurm_job_nodes())
+        for host in hosts:
+            state = slurm_node_state(host)
+            bad = sorted(set(state.split("+")) & NODE_NOT_UP)
+            if bad:
+                raise UsageError(
+                    f"SLURM node {host} is not up (State={state}): resume it (scontrol update "
+                    f"nodename={host} state=resume) or wait until sinfo shows it idle, then "
+                    f"give it again")
+        for host in hosts:
+            if host in inside:
+                self.outside.discard(host)
+            else:
+                self.outside.add(host)
 
 
 @dataclass
@@ -320,6 +372,35 @@ def slurm_nodes() -> list[str]:
     if out.returncode != 0 or not nodes:
         raise UsageError(f"cannot list the allocation's nodes ({nodelist!r}): {out.stderr.strip()}")
     return nodes
+
+
+def slurm_job_nodes() -> list[str]:
+    """The nodes of the current job now: without the ones SLURM took out of
+    it (a failed node of a ``--no-kill`` job), unlike SLURM_JOB_NODELIST."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
+                         text=True, timeout=30)
+    listed = next((item.split("=", 1)[1] for item in out.stdout.split()
+                   if item.startswith("NodeList=")), "")
+    if out.returncode != 0 or not listed or listed == "(null)":
+        return []
+    names = subprocess.run(["scontrol", "show", "hostnames", listed], capture_output=True,
+                           text=True, timeout=30)
+    return [line.strip() for line in names.stdout.splitlines() if line.strip()]
+
+
+def slurm_node_state(node: str) -> str:
+    """``node``'s state as scontrol says it (``IDLE``, ``DOWN+NOT_RESPONDING``,
+    ...); UsageError for a name that is not a node of this cluster."""
+    out = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True,
+                         text=True, timeout=30)
+    state = next((item.split("=", 1)[1] for item in out.stdout.split()
+                  if item.startswith("State=")), "")
+    if out.returncode != 0 or not state:
+        why = (out.stderr or out.stdout).strip() or "no such node"
+        raise UsageError(f"{node!r} is not a node of this SLURM cluster ({why}); give a node "
+                         f"name as sinfo -N lists it")
+    return state
 
 
 def slurm_node_address(node: str) -> str:
