@@ -103,7 +103,8 @@ class Relay:
         frames came in a passed file), ``shm_bytes`` (the files' bytes),
         ``shm_refused`` (passed files or packets refused: their messages
         dropped), ``dropped`` (messages dropped by the relay, any reason).
-        Any thread."""
+        The shared memory counts are this process's (an agent has one
+        relay). Any thread."""
         return {"shm": shm.stats["mapped_passed"], "shm_bytes": shm.stats["bytes_mapped_passed"],
                 "shm_refused": shm.stats["link_refused"], "dropped": sum(self.dropped.values())}
 

@@ -482,10 +482,12 @@ class Link:
     def _broken(self) -> None:
         self.closed = True
         self._out.clear()
+        self._in._reset()  # a half-read message goes (a passed file's mapping with it)
 
     def close(self) -> None:
         self.closed = True
         self._out.clear()
+        self._in._reset()
         try:
             self.sock.close()
         except OSError:
