@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """What the host agent's relay costs where it cannot gain: 4 real ranks on 2
 "hosts" that are this machine (``MONARCH_NB_SSH="sh -c"``), with the relay
-(``relay=True``, the default: both channels through the agent) and without
-(``relay=False``: each rank its own two DEALERs).
+(``relay=True``, the default: both channels through the agent; big frames
+to the agent by shared memory, wire/link.py ``SHM``), with the relay but
+its big frames copied through the rank's link as before
+(``shm_threshold=None``), and without (``relay=False``: each rank its own
+two DEALERs).
 
     .venv/bin/python benchmarks/relaycost.py [--calls 200] [--gib 1]
 
@@ -30,10 +33,11 @@ if str(REPO) not in sys.path:
 from monarch_nb import Mesh  # noqa: E402
 
 
-def measure(relay: bool, calls: int, gib: float) -> dict[str, float]:
+def measure(mode: str, calls: int, gib: float) -> dict[str, float]:
     os.environ["MONARCH_NB_SSH"] = "sh -c"
     mesh = Mesh.start(n=4, backend="cpu", launcher="ssh", hosts="hA,hB", bind="127.0.0.1",
-                      master_addr="127.0.0.1", start_timeout=90, relay=relay)
+                      master_addr="127.0.0.1", start_timeout=90, relay=mode != "direct",
+                      shm_threshold=None if mode == "socket" else 1 << 20)
     try:
         for _ in range(20):
             mesh.run(lambda: None)
@@ -58,11 +62,13 @@ def main() -> None:
     p.add_argument("--gib", type=float, default=1.0)
     args = p.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", file=sys.stderr)
-    rows = {mode: measure(mode == "relay", args.calls, args.gib) for mode in ("relay", "direct")}
+    rows = {mode: measure(mode, args.calls, args.gib) for mode in ("relay", "socket", "direct")}
     print(f"| 4 ranks on 2 hosts (this machine) | no-op median | {args.gib:g} GiB result |")
     print("|---|---:|---:|")
     for mode, r in rows.items():
-        label = "through the agents (relay)" if mode == "relay" else "own DEALERs (relay=False)"
+        label = {"relay": "through the agents (relay)",
+                 "socket": "through the agents, big frames by socket (shm_threshold=None)",
+                 "direct": "own DEALERs (relay=False)"}[mode]
         print(f"| {label} | {r['noop_ms']:.2f} ms | {r['big_s']:.2f} s |")
 
 

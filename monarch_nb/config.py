@@ -50,6 +50,9 @@ ENV_MAX_MESSAGE = "MONARCH_NB_MAX_MESSAGE"  # results larger than this are refus
 ENV_SHM = "MONARCH_NB_SHM_THRESHOLD"  # local ranks: frames this big go by shared memory
 ENV_GPU_IPC = "MONARCH_NB_GPU_IPC"  # "1": local ranks send CUDA tensors by IPC handle
 ENV_LINK_FD = "MONARCH_NB_LINK_FD"  # local ranks: the fd of their end of the link (wire/link.py)
+# ranks on another host: frames this big go to their host agent in a passed
+# memory file (wire/link.py SHM; the agent's link is on the rank's host)
+ENV_LINK_SHM = "MONARCH_NB_LINK_SHM_THRESHOLD"
 # ranks behind a host agent: the fd of their end of the control link (wire/hostrelay.py)
 ENV_CTL_LINK_FD = "MONARCH_NB_CTL_LINK_FD"
 # a kept mesh's rank (engine/kept.py): the epoch of the controller that started it
@@ -446,6 +449,7 @@ class RankEnv:
     gpu_ipc: bool = False  # CUDA tensors by IPC handle with the controller (a local GPU rank)
     link_fd: int | None = None  # a local rank's end of its link (wire/link.py), else a DEALER
     ctl_link_fd: int | None = None  # a rank behind a host agent: its control link, else a DEALER
+    link_shm: int | None = None  # a rank behind a host agent: frames this big go in passed files
     kept_epoch: int | None = None  # a kept mesh's rank: its first controller's epoch
     controller_pid: int | None = None  # shared memory's peer when its parent is an agent
     mesh_rank: int = -1  # its number in the mesh, stable (-1: rank's, set from the environment)
@@ -488,6 +492,7 @@ class RankEnv:
             shm_threshold=int(env[ENV_SHM]) if env.get(ENV_SHM, "").isdigit() else None,
             gpu_ipc=env.get(ENV_GPU_IPC, "") == "1",
             link_fd=int(env[ENV_LINK_FD]) if env.get(ENV_LINK_FD, "").isdigit() else None,
+            link_shm=int(env[ENV_LINK_SHM]) if env.get(ENV_LINK_SHM, "").isdigit() else None,
             ctl_link_fd=(int(env[ENV_CTL_LINK_FD]) if env.get(ENV_CTL_LINK_FD, "").isdigit()
                          else None),
             kept_epoch=int(env[ENV_KEPT_EPOCH]) if env.get(ENV_KEPT_EPOCH, "").isdigit() else None,

@@ -651,8 +651,14 @@ class Mesh(_RankSet):
         shared memory) and their ``bytes``, ``mapped`` (big results and
         pulls taken from the ranks' segments), ``open`` (segments of calls
         still in flight), ``fallbacks`` (sent by socket: no shared memory
-        could be made), ``refused`` (descriptors refused)."""
-        return self._ctl.dataplane.stats()
+        could be made), ``refused`` (descriptors refused). Ranks on other
+        hosts, through their host agents (as of the agents' last tick):
+        ``agent_shm`` (messages whose big frames a rank passed to its agent
+        in shared memory) and their ``agent_shm_bytes``, ``agent_shm_refused``
+        (passed files an agent refused: their messages dropped)."""
+        relay = self._ctl.supervisor.relay_counts()
+        return {**self._ctl.dataplane.stats(),
+                **{f"agent_{k}": relay.get(k, 0) for k in ("shm", "shm_bytes", "shm_refused")}}
 
     def logs(self, rank: int, tail: int = 100) -> list[str]:
         """The last ``tail`` lines a rank wrote, earlier incarnations of a

@@ -88,7 +88,7 @@ class Worker:
         # The main channel: a local rank's link (wire/link.py: a socket pair
         # with its controller, no ZeroMQ threads on the call path), else a DEALER.
         self.main: MainChannel = (
-            LinkChannel(Link.inherited(env.link_fd, env.max_message_bytes))
+            LinkChannel(Link.inherited(env.link_fd, env.max_message_bytes, env.link_shm))
             if env.link_fd is not None
             else SocketChannel(dealer(self.ctx, self.main_id, env.controller, env.curve)))
         # The control channel: a DEALER of its own, or, behind a host agent, a

@@ -136,6 +136,7 @@ class HostAgent:
         self._sids = itertools.count(1)
         self.lost = ""
         self.dropped = 0  # malformed lines
+        self.relay_counts: dict[str, int] = {}  # its relay's, as of its last tick (Relay.counts)
         self.heard = time.monotonic()
         self._lock = threading.Lock()
         self.popen: subprocess.Popen[bytes] | None = None
@@ -363,6 +364,8 @@ class HostAgent:
     def _on(self, msg: dict[str, Any]) -> None:
         op = msg["op"]
         if op == "tick":
+            self.relay_counts = {k: v for k, v in msg["relay"].items()
+                                 if isinstance(k, str) and type(v) is int}
             now = time.monotonic()
             for sid, state in msg["states"].items():
                 handle = self.processes.get(int(sid)) if str(sid).isdigit() else None
@@ -600,6 +603,15 @@ class AgentLauncher:
     def busy_hosts(self) -> list[str]:
         """The hosts of the placement not lost: ones that run ranks now."""
         return [h for h in self.inner.nodes if not self.host_lost(h)]
+
+    def relay_counts(self) -> dict[str, int]:
+        """The agents' relays' counts summed (hostrelay.Relay.counts, as of
+        each one's last tick)."""
+        total: dict[str, int] = {}
+        for agent in list(self.agents.values()):
+            for key, value in agent.relay_counts.items():
+                total[key] = total.get(key, 0) + value
+        return total
 
     def detach(self) -> None:
         """A kept mesh's controller lets go: its agent keeps the ranks."""

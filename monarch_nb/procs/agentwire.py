@@ -63,8 +63,9 @@ FROM_AGENT: dict[str, dict[str, type | tuple[type, ...]]] = {
     "exit": {"sid": int, "code": int, "flight": str},
     "log": {"sid": int, "data": str},
     # every tick: the agent is alive; ``states``: sid -> its process state
-    # letter (R running, S sleeping, T stopped, Z zombie, D disk wait)
-    "tick": {"states": dict},
+    # letter (R running, S sleeping, T stopped, Z zombie, D disk wait);
+    # ``relay``: its relay's counts (hostrelay.Relay.counts; {} without one)
+    "tick": {"states": dict, "relay": dict},
     "error": {"text": str},
     # a kept mesh's agent (keptagent.py): challenge to a controller that
     # connects; attached: its ranks' processes (sid, rank, inc, pid, ident,

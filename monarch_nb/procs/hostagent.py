@@ -341,7 +341,8 @@ class Agent:
                 for child in live:
                     self._send_log(child)
             states = {str(c.sid): os_state(c.popen.pid) or "?" for c in live}
-            self.send("tick", states=states)
+            relay = self.relay
+            self.send("tick", states=states, relay={} if relay is None else relay.counts())
             time.sleep(TICK_S)
 
     def _send_log(self, child: Child) -> None:

@@ -92,7 +92,8 @@ class Supervisor:
     group: tuple[int, ...] = ()
     controller_timeout: float = 10.0
     max_message_bytes: int = 4 << 30
-    shm_threshold: int | None = None  # local ranks only (wire/shm.py)
+    # local ranks: to the controller (wire/shm.py); remote ranks: to their agent (wire/link.py SHM)
+    shm_threshold: int | None = None
     gpu_ipc: bool = False  # local ranks only (wire/gpuipc.py)
     local_links: bool = True  # local ranks' main channel is a link (wire/link.py)
     kept_epoch: int | None = None  # a kept mesh: its controller's epoch (engine/kept.py)
@@ -192,6 +193,7 @@ class Supervisor:
             "PYTHONUNBUFFERED": "1",
         })
         env.pop(config.ENV_SHM, None)
+        env.pop(config.ENV_LINK_SHM, None)
         env.pop(config.ENV_GPU_IPC, None)  # never inherited from the kernel's environment
         env.pop(config.ENV_LINK_FD, None)  # set by spawn for the rank's own link
         if self.kept_epoch is not None:  # a kept mesh: its parent is the agent, not us
@@ -199,6 +201,8 @@ class Supervisor:
             env[config.ENV_CONTROLLER_PID] = str(os.getpid())
         if self.launcher.remote:
             env.pop(config.ENV_PARENT_PID, None)  # its parent is ssh/srun's, not us
+            if self.shm_threshold is not None:  # behind an agent: big frames to it by shared memory
+                env[config.ENV_LINK_SHM] = str(self.shm_threshold)
         else:
             if self.shm_threshold is not None:  # same host: big frames by shared memory
                 env[config.ENV_SHM] = str(self.shm_threshold)
@@ -566,6 +570,13 @@ class Supervisor:
         if not self.launcher.host_lost(lost) and lost in self.launcher.hosts():
             return lost
         return self.launcher.replace_host(lost)
+
+    def relay_counts(self) -> dict[str, int]:
+        """What the host agents' relays took by shared memory from their
+        ranks (AgentLauncher.relay_counts); {} without agents."""
+        if not isinstance(self.launcher, AgentLauncher):
+            return {}
+        return self.launcher.relay_counts()
 
     def replacement_host(self, lost: str) -> str | None:
         """The spare host that takes ``lost``'s ranks, if the launcher has one."""

@@ -13,6 +13,15 @@ a moment (fold.py).
 So a call to a host's 8 ranks is one message each way on the network, and
 the controller's work per call grows with hosts, not ranks.
 
+Big frames come up without a copy through the link: a rank passes them in
+a sealed memory file (link.py ``SHM``, shm.seal_frames), the relay maps it
+and hands views of the mapping to ZeroMQ as zero-copy frames, so the bytes
+are read once more, by the encryption or the kernel's send, and the file's
+pages go when ZeroMQ lets go of the last frame over them. The rank's
+signature covers those frames as any others; the controller checks it.
+:meth:`Relay.counts` says how much came that way (the agent reports it
+each tick: ``mesh.dataplane``).
+
 The relay reads only the envelope. It cannot make a rank run anything:
 every message keeps the controller's signature, which the rank verifies
 (sender, replay window) before unpickling; the controller verifies each
@@ -37,6 +46,7 @@ from typing import Any
 import zmq
 
 from ..errors import ProtocolError
+from . import shm
 from .channels import recv_frames
 from .fold import Folder
 from .link import DROPPED, Link
@@ -88,6 +98,16 @@ class Relay:
         self._new.append((ident.encode(), sock))
         os.eventfd_write(self._wake, 1)
 
+    def counts(self) -> dict[str, int]:
+        """What came up through shared memory: ``shm`` (messages whose big
+        frames came in a passed file), ``shm_bytes`` (the files' bytes),
+        ``shm_refused`` (passed files or packets refused: their messages
+        dropped), ``dropped`` (messages dropped by the relay, any reason).
+        The shared memory counts are this process's (an agent has one
+        relay). Any thread."""
+        return {"shm": shm.stats["mapped_passed"], "shm_bytes": shm.stats["bytes_mapped_passed"],
+                "shm_refused": shm.stats["link_refused"], "dropped": sum(self.dropped.values())}
+
     def close(self) -> None:
         self._stopping = True
         os.eventfd_write(self._wake, 1)
@@ -138,7 +158,7 @@ class Relay:
             old = self._links.pop(ident, None)
             if old is not None:
                 self._forget(ident, old)
-            link = Link(sock, self.max_bytes)
+            link = Link(sock, self.max_bytes, take_fds=True)  # (its rank passes big frames)
             self._links[ident] = link
             self._by_fd[link.fd] = (ident, link)
             self._poller.register(link.fd, _IN)

@@ -32,31 +32,53 @@ join (for a big result through a host agent's relay those were most of the
 agent's CPU). The reader bounds a message's size (``max_bytes``) and frame count
 while it assembles it, before anything else sees it. Big frames between
 local processes go by shared memory anyway (shm.py); packets matter for the
-ones below its threshold, for the fall-back when /dev/shm is full, and for
-a remote rank's link to its host agent (hostrelay.py), which has no shared
-memory with the controller.
+ones below its threshold and for the fall-back when /dev/shm is full.
+
+Passed frames (flag ``SHM``): a remote rank's link to its host agent
+(hostrelay.py) carries its big frames in a sealed memory file passed with
+the packet (``SCM_RIGHTS``, shm.seal_frames) instead of copied through the
+socket. A message's big frames share one file: its first ``SHM`` packet
+carries the file, each ``SHM`` packet names one frame in it (offset and
+length, 8 bytes each); the reader maps the file once and puts views of the
+mapping in the frames' places. The signed message is the same either way:
+the signature covers the passed frames as any others (the controller checks
+it), so a link that passes files changes how bytes move, never what is
+vouched for. Only a link made with ``take_fds`` reads the files (the
+agent's ends); on any other, a passed file is closed by the kernel and its
+packet is junk (dropped, the stream goes on). The sender closes its fd as
+soon as the packet is sent, the reader once the file is mapped: the pages
+live as long as the mapping, that is until the last frame over it is gone
+(sent on and dropped, or a message refused whole).
 
 Non-goals: signing (protocol.py), the ROUTER (transport.py).
 """
 
 from __future__ import annotations
 
+import array
 import collections
 import os
 import select
 import socket
 import struct
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+from . import shm
 
 PACKET_BYTES = 64 * 1024  # data per packet (the kernel's default buffer holds three)
 MORE_PACKETS = 1
 MORE_FRAMES = 2
 SIZED = 4  # a packet that only says the size of the next frame (of several packets)
-_OURS = MORE_PACKETS | MORE_FRAMES | SIZED
-_FLAGS = [bytes([i]) for i in range(8)]
+SHM = 8  # a frame in a memory file passed with this packet or an earlier one of its message
+_OURS = MORE_PACKETS | MORE_FRAMES | SIZED  # (SHM: only a link that takes fds reads it)
+_FLAGS = [bytes([i]) for i in range(16)]
 _LAST, _NEXT_FRAME = _FLAGS[0], _FLAGS[MORE_FRAMES]
 _SIZE = struct.Struct("<Q")
+_SPAN = struct.Struct("<QQ")  # a passed frame: its offset and length in the file
+_ANC_BYTES = socket.CMSG_SPACE(4 * array.array("i").itemsize)  # room for a few fds (one is ours)
+_CTRUNC = socket.MSG_CTRUNC
 _RECV_BYTES = PACKET_BYTES + 1
 _NOSIGNAL = socket.MSG_NOSIGNAL
 _TRUNC = socket.MSG_TRUNC
@@ -64,6 +86,8 @@ MAX_FRAMES = 4096  # as protocol.MAX_FRAMES: never more frames than verify takes
 READ_BATCH = 64  # packets read per turn from one link (others wait their turn)
 
 DROPPED = "dropped"  # (assembler) a message refused whole; the reason is in .refused
+# a frame read: bytes, a buffer filled in place, or a view of a passed memory file
+Frame = bytes | bytearray | memoryview
 
 
 def pair() -> tuple[socket.socket, socket.socket]:
@@ -77,19 +101,22 @@ def packets(frames: Sequence[Any]) -> Iterator[tuple[bytes, Any]]:
     """(flag byte, data) per packet of a message's ``frames``."""
     last = len(frames) - 1
     for i, frame in enumerate(frames):
-        more = MORE_FRAMES if i < last else 0
-        if type(frame) is bytes and len(frame) <= PACKET_BYTES:
-            yield _FLAGS[more], frame
-            continue
-        view = memoryview(frame).cast("B")
-        size = view.nbytes
-        if size <= PACKET_BYTES:
-            yield _FLAGS[more], view
-            continue
-        yield _FLAGS[SIZED], _SIZE.pack(size)  # the reader makes the frame's buffer once
-        for start in range(0, size, PACKET_BYTES):
-            end = start + PACKET_BYTES
-            yield _FLAGS[more | (MORE_PACKETS if end < size else 0)], view[start:end]
+        yield from _frame_packets(frame, MORE_FRAMES if i < last else 0)
+
+
+def _frame_packets(frame: Any, more: int) -> Iterator[tuple[bytes, Any]]:
+    if type(frame) is bytes and len(frame) <= PACKET_BYTES:
+        yield _FLAGS[more], frame
+        return
+    view = memoryview(frame).cast("B")
+    size = view.nbytes
+    if size <= PACKET_BYTES:
+        yield _FLAGS[more], view
+        return
+    yield _FLAGS[SIZED], _SIZE.pack(size)  # the reader makes the frame's buffer once
+    for start in range(0, size, PACKET_BYTES):
+        end = start + PACKET_BYTES
+        yield _FLAGS[more | (MORE_PACKETS if end < size else 0)], view[start:end]
 
 
 class Assembler:
@@ -99,16 +126,17 @@ class Assembler:
     place (a buffer, not ``bytes``, as a frame mapped from shared memory is:
     shm.py); every other frame is ``bytes``."""
 
-    __slots__ = ("max_bytes", "frames", "size", "refused", "_skipping", "_buf", "_pos")
+    __slots__ = ("max_bytes", "frames", "size", "refused", "_skipping", "_buf", "_pos", "_file")
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self.frames: list[bytes | bytearray] = []
+        self.frames: list[Frame] = []
         self.size = 0
         self.refused = ""  # why the last DROPPED message was refused
         self._skipping = ""  # a refused message's remaining packets are read and dropped
         self._buf: bytearray | None = None  # the sized frame being filled
         self._pos = 0  # how much of it is there
+        self._file: memoryview | None = None  # the message's passed memory file, mapped
 
     def slot(self) -> memoryview | None:
         """Where the next packet's data goes (a reader may receive it there
@@ -119,7 +147,7 @@ class Assembler:
             return None
         return memoryview(buf)[self._pos:self._pos + PACKET_BYTES]
 
-    def feed(self, packet: bytes) -> list[bytes | bytearray] | str | None:
+    def feed(self, packet: bytes) -> list[Frame] | str | None:
         """A whole message once its last packet came, :data:`DROPPED` for a
         refused one (``refused`` says why), else None."""
         flags = packet[0] if packet else 0xFF
@@ -157,7 +185,7 @@ class Assembler:
         self.frames.append(packet[1:])
         return self._frame_done(flags)
 
-    def filled(self, flags: int, n: int, truncated: bool = False) -> list[bytes | bytearray] | str | None:
+    def filled(self, flags: int, n: int, truncated: bool = False) -> list[Frame] | str | None:
         """``n`` bytes of a packet with ``flags`` were received into :meth:`slot`
         (``truncated``: the packet did not fit there)."""
         buf = self._buf
@@ -175,7 +203,7 @@ class Assembler:
         self.frames.append(buf)
         return self._frame_done(flags)
 
-    def _sized(self, flags: int, packet: bytes) -> list[bytes | bytearray] | str | None:
+    def _sized(self, flags: int, packet: bytes) -> list[Frame] | str | None:
         """The ``SIZED`` packet ahead of a frame of several packets: its size
         checked against the message's bound, then its buffer made."""
         (size,) = _SIZE.unpack_from(packet, 1) if len(packet) == 1 + _SIZE.size else (0,)
@@ -190,10 +218,40 @@ class Assembler:
         self._buf, self._pos = bytearray(size), 0
         return None
 
-    def _frame_done(self, flags: int) -> list[bytes | bytearray] | None:
+    def passed(self, packet: bytes, file: memoryview | None) -> list[Frame] | str | None:
+        """An ``SHM`` packet (a link that takes fds): one frame of the
+        message's memory file, ``file`` when this packet brought it (mapped
+        by the link), else the one an earlier packet of the message brought."""
+        flags = packet[0]
+        if self._skipping:
+            if flags & MORE_FRAMES:
+                return None
+            self.refused, self._skipping = self._skipping, ""
+            return DROPPED
+        if (self._buf is not None or flags & ~(SHM | MORE_FRAMES)
+                or len(packet) != 1 + _SPAN.size):
+            return self._fail(flags & MORE_FRAMES, "malformed")
+        if file is not None:
+            self._file = file
+        file = self._file
+        off, n = _SPAN.unpack_from(packet, 1)
+        if file is None or off + n > file.nbytes:
+            return self._fail(flags & MORE_FRAMES, "malformed")
+        self.size += n
+        if self.size > self.max_bytes or len(self.frames) >= MAX_FRAMES:
+            return self._fail(flags & MORE_FRAMES, "oversized")
+        self.frames.append(file[off:off + n])
+        return self._frame_done(flags)
+
+    def refuse(self, flags: int, reason: str) -> str | None:
+        """Refuse the message a packet with ``flags`` belongs to (the link
+        could not take what came with it)."""
+        return self._fail(flags & (MORE_FRAMES | MORE_PACKETS), reason)
+
+    def _frame_done(self, flags: int) -> list[Frame] | None:
         if flags & MORE_FRAMES:
             return None
-        frames, self.frames, self.size = self.frames, [], 0
+        frames, self.frames, self.size, self._file = self.frames, [], 0, None
         return frames
 
     def _fail(self, flags: int, reason: str) -> str | None:
@@ -207,7 +265,7 @@ class Assembler:
         return DROPPED
 
     def _reset(self) -> None:
-        self.frames, self.size, self._buf, self._pos = [], 0, None, 0
+        self.frames, self.size, self._buf, self._pos, self._file = [], 0, None, 0, None
 
 
 class Link:
@@ -216,21 +274,31 @@ class Link:
     see :meth:`send` and :meth:`flush`). Rank side: blocking, used by the
     main thread only (:meth:`send_blocking`, :meth:`recv`, :meth:`poll`)."""
 
-    def __init__(self, sock: socket.socket, max_bytes: int, *, blocking: bool = False) -> None:
+    def __init__(self, sock: socket.socket, max_bytes: int, *, blocking: bool = False,
+                 shm_threshold: int | None = None, take_fds: bool = False,
+                 notice: Callable[[str], None] | None = None) -> None:
+        """``shm_threshold``: frames at least this big are sent in a passed
+        memory file (a remote rank's end towards its agent); ``take_fds``:
+        read passed files (the agent's end); ``notice``: where the one line
+        goes when no memory file can be made (stderr by default)."""
         sock.setblocking(blocking)
         self.sock = sock
         self.fd = sock.fileno()
         self.closed = False
+        self.shm_threshold = shm_threshold
+        self.take_fds = take_fds
+        self._notice = notice or _stderr
         self._out: collections.deque[tuple[bytes, Any]] = collections.deque()
         self._in = Assembler(max_bytes)
         self._flag = bytearray(1)  # a packet's flag byte, when its data goes into a frame
         self._poll: select.poll | None = None
 
     @classmethod
-    def inherited(cls, fd: int, max_bytes: int) -> Link:
-        """The rank's end, passed down by the controller as ``fd``."""
+    def inherited(cls, fd: int, max_bytes: int, shm_threshold: int | None = None) -> Link:
+        """The rank's end, passed down by the controller (or its agent) as ``fd``."""
         os.set_inheritable(fd, False)  # never on to the user's subprocesses
-        return cls(socket.socket(fileno=fd), max_bytes, blocking=True)
+        return cls(socket.socket(fileno=fd), max_bytes, blocking=True,
+                   shm_threshold=shm_threshold)
 
     @property
     def refused(self) -> str:
@@ -278,7 +346,7 @@ class Link:
     def waiting(self) -> bool:
         return bool(self._out)
 
-    def read(self) -> list[bytes | bytearray] | str | None:
+    def read(self) -> list[Frame] | str | None:
         """The next whole message, :data:`DROPPED` (see :attr:`refused`),
         or None when nothing more is there now (or the peer closed:
         :attr:`closed`). Never blocks on a non-blocking end."""
@@ -296,13 +364,15 @@ class Link:
                 return got
         return None
 
-    def _next(self) -> list[bytes | bytearray] | str | None:
+    def _next(self) -> list[Frame] | str | None:
         """Read one packet and hand it to the assembler: into the sized
         frame's buffer when one is being filled, else whole. EOFError at the
         end of the stream."""
         asm = self._in
         slot = asm.slot()
         if slot is None:
+            if self.take_fds:
+                return self._next_with_fds()
             packet = self.sock.recv(_RECV_BYTES)
             if not packet:
                 raise EOFError("the other end closed the link")
@@ -313,6 +383,34 @@ class Link:
             raise EOFError("the other end closed the link")
         return asm.filled(flag[0], n - 1, truncated=bool(msg_flags & _TRUNC))
 
+    def _next_with_fds(self) -> list[Frame] | str | None:
+        """A packet that may come with a passed memory file (the agent's end)."""
+        asm = self._in
+        packet, anc, msg_flags, _ = self.sock.recvmsg(_RECV_BYTES, _ANC_BYTES)
+        fds = _fds_of(anc)
+        if not packet:
+            _close(fds)
+            raise EOFError("the other end closed the link")
+        flags = packet[0]
+        if not fds and not flags & SHM:
+            return asm.feed(packet)
+        # what came with the packet is closed here whatever happens: the
+        # mapping (if any) holds the pages, not the fd
+        try:
+            if not flags & SHM or len(fds) > 1 or msg_flags & _CTRUNC:
+                shm.stats["link_refused"] += 1
+                return asm.refuse(flags, "malformed")
+            file = None
+            if fds:
+                try:
+                    file = shm.map_passed(fds[0], asm.max_bytes)
+                except shm.ShmError:
+                    shm.stats["link_refused"] += 1
+                    return asm.refuse(flags, "shm-refused")
+            return asm.passed(packet, file)
+        finally:
+            _close(fds)
+
     # -- rank side (blocking) ----------------------------------------------------
     def send_blocking(self, frames: Sequence[Any]) -> None:
         """Send a whole message, waiting for room. A gone controller is
@@ -322,12 +420,46 @@ class Link:
             if len(frames) == 1 and type(frames[0]) is bytes and len(frames[0]) <= PACKET_BYTES:
                 sendmsg((_LAST, frames[0]), (), _NOSIGNAL)
                 return
+            threshold = self.shm_threshold
+            if threshold is not None and any(memoryview(f).nbytes >= threshold for f in frames):
+                self._send_passed(frames, threshold)
+                return
             for packet in packets(frames):
                 sendmsg(packet, (), _NOSIGNAL)
         except OSError:
             self.closed = True
 
-    def recv(self) -> list[bytes | bytearray] | str:
+    def _send_passed(self, frames: Sequence[Any], threshold: int) -> None:
+        """Send a message whose big frames go in one memory file, passed with
+        its first ``SHM`` packet. Without a file (none could be made: a
+        notice, once) every frame goes in packets."""
+        sendmsg = self.sock.sendmsg
+        big = [i for i, f in enumerate(frames) if memoryview(f).nbytes >= threshold]
+        try:
+            fd, at = shm.seal_frames([frames[i] for i in big])
+        except OSError as exc:
+            shm._fallback(exc, self._notice)
+            for packet in packets(frames):
+                sendmsg(packet, (), _NOSIGNAL)
+            return
+        try:
+            spans = dict(zip(big, at, strict=True))
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+            last = len(frames) - 1
+            for i, frame in enumerate(frames):
+                more = MORE_FRAMES if i < last else 0
+                span = spans.get(i)
+                if span is None:
+                    for packet in _frame_packets(frame, more):
+                        sendmsg(packet, (), _NOSIGNAL)
+                    continue
+                sendmsg((_FLAGS[SHM | more], _SPAN.pack(*span)), anc, _NOSIGNAL)
+                anc = []  # the file goes once; the message's other SHM packets name it
+        finally:
+            # the file in flight is the kernel's now, then the reader's mapping
+            os.close(fd)
+
+    def recv(self) -> list[Frame] | str:
         """Wait for the next whole message (or :data:`DROPPED`). Raises
         EOFError once the controller's end is closed."""
         while True:
@@ -350,14 +482,38 @@ class Link:
     def _broken(self) -> None:
         self.closed = True
         self._out.clear()
+        self._in._reset()  # a half-read message goes (a passed file's mapping with it)
 
     def close(self) -> None:
         self.closed = True
         self._out.clear()
+        self._in._reset()
         try:
             self.sock.close()
         except OSError:
             pass
 
 
-__all__ = ["DROPPED", "PACKET_BYTES", "SIZED", "Assembler", "Link", "packets", "pair"]
+def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[:len(data) - len(data) % arr.itemsize])
+            fds.extend(arr)
+    return fds
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+__all__ = ["DROPPED", "PACKET_BYTES", "SHM", "SIZED", "Frame", "Assembler", "Link", "packets", "pair"]

@@ -37,8 +37,20 @@ result came from), and only a file that carries this mesh's id and the
 descriptor's token. There is no digest over the mapped bytes: see
 docs/security.md.
 
+Passed files (:func:`seal_frames`, :func:`map_passed`): a rank on another
+host than the controller's sends its big frames to its host agent the same
+way, one sealed memory file per message, but the file itself travels over
+their link (a Unix socket pair: ``SCM_RIGHTS``, wire/link.py) rather than a
+descriptor in the signed meta. The frames stay *under* the signature there:
+the rank signs every frame as it would over a socket, the agent forwards
+the mapped frames as they are, and the controller checks the rank's HMAC
+over all of them (docs/security.md). Such a file has no header: only the
+rank holds the other end of the link, and it closes its fd once the file
+is in flight, so nothing is left to release.
+
 Non-goals: pickling (serialize), signing (protocol), who may use it (the
-controller and the rank decide: local ranks only).
+controller and the rank decide: local ranks, and remote ranks with their
+agent), the link's packets (link.py).
 """
 
 from __future__ import annotations
@@ -62,6 +74,7 @@ MAGIC = b"MNBSHM01"
 HEADER = 64  # magic (8), mesh id (24, NUL-padded), token (16), spare (16)
 _MESH_LEN = 24
 _TOKEN_LEN = 16
+PASSED_NAME = "monarch-nb-link"  # memory files passed over a link (seal_frames)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 # What this process did (the controller shows its own in mesh.dataplane; a
@@ -172,6 +185,60 @@ def attach(payload: Sequence[Any], desc: Any, *, peer_pid: int | None, mesh_id: 
     stats["mapped"] += 1
     stats["bytes_mapped"] += sum(n for _, _, n in at)
     return full
+
+
+def seal_frames(frames: Sequence[Any]) -> tuple[int, list[tuple[int, int]]]:
+    """A new sealed memory file holding ``frames`` one after the other (each
+    64-byte aligned): its fd (the caller closes it) and each frame's
+    (offset, length). OSError if it cannot be made; nothing is left open then."""
+    sizes = [memoryview(f).nbytes for f in frames]
+    at: list[tuple[int, int]] = []
+    off = 0
+    for n in sizes:
+        at.append((off, n))
+        off = _align(off + n)
+    fd = os.memfd_create(PASSED_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, max(off, 1))
+        for frame, (start, _n) in zip(frames, at, strict=True):
+            _write_all(fd, frame, start)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)
+    except BaseException:  # ENOSPC/ENOMEM writing the pages, or Ctrl-C: no fd left behind
+        os.close(fd)
+        raise
+    stats["passed"] += 1
+    stats["bytes_passed"] += sum(sizes)
+    return fd, at
+
+
+def map_passed(fd: int, max_bytes: int) -> memoryview:
+    """The whole of a memory file that came as ``fd`` over a link (the
+    caller still closes ``fd``; the mapping holds the pages). Raises
+    :class:`ShmError` (counted in ``stats["refused"]``) unless it is a
+    monarch_nb file made by :func:`seal_frames`, sealed, at most
+    ``max_bytes`` (and its alignment) long: a peer that passes anything else
+    (a pipe, an unsealed file that could shrink under the mapping and raise
+    SIGBUS here) gets its message dropped, never this process hurt."""
+    try:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            st = os.fstat(fd)
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as exc:
+            raise ShmError(f"the file passed is not a sealed memory file: {exc.strerror}") from None
+        if not link.startswith("/memfd:" + PASSED_NAME) or (seals & _SEALS) != _SEALS:
+            raise ShmError("the file passed is not a sealed monarch_nb file")
+        if not 0 < st.st_size <= max_bytes + ALIGN * 4096:
+            raise ShmError(f"the file passed is {st.st_size} bytes, over this mesh's "
+                           "max_message_bytes")
+        view = _Mapping.view(fd, st.st_size)
+    except ShmError:
+        stats["refused"] += 1
+        raise
+    stats["mapped_passed"] += 1
+    stats["bytes_mapped_passed"] += st.st_size
+    return view
 
 
 def token_of(desc: Any) -> str:
@@ -321,4 +388,5 @@ class _Mapping:
         return memoryview(buf).cast("B")
 
 
-__all__ = ["THRESHOLD", "Segment", "ShmError", "attach", "pack", "stats", "token_of"]
+__all__ = ["THRESHOLD", "Segment", "ShmError", "attach", "map_passed", "pack", "seal_frames",
+           "stats", "token_of"]
