@@ -23,7 +23,8 @@ import pytest
 
 from .conftest import wait_for
 from .engines import Hosts, netns_hosts
-from .test_netns_hosts import _lose_host, _pids_in
+from .engines import lose_host as _lose_host
+from .engines import pids_in as _pids_in
 
 pytestmark = pytest.mark.netns
 ROOT = Path(__file__).resolve().parents[1]

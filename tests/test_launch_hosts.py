@@ -11,8 +11,6 @@ the run ends, exit 1, naming the cause.
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -22,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import wait_for
-from .engines import Hosts, netns_hosts
+from .engines import Hosts, lose_host, netns_hosts, pids_in
 
 pytestmark = pytest.mark.netns
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,26 +72,6 @@ ELASTIC = """
 """
 
 
-def _pids_in(ns: str) -> list[int]:
-    res = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
-    return [int(p) for p in res.stdout.split()]
-
-
-def _lose_host(ns: str) -> None:
-    """The host goes: its processes, then its network."""
-    victims = _pids_in(ns)
-    assert victims, f"nothing runs on host {ns}"
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    subprocess.run(["ip", "netns", "del", ns], check=True, timeout=30)
-    for pid in victims:  # a killed agent's folder (a real lost host takes it along)
-        for folder in Path("/tmp").glob(f"monarch-nb-agent-{pid}-*"):
-            shutil.rmtree(folder, ignore_errors=True)
-
-
 def launch_and_lose(hosts: Hosts, tmp_path: Path, body: str, lost: int,
                     *flags: str) -> tuple[int, str, str]:
     """Launch over host A and host ``lost``, lose that host once rank 0
@@ -116,7 +94,7 @@ def launch_and_lose(hosts: Hosts, tmp_path: Path, body: str, lost: int,
         for line in proc.stdout:
             out.append(line)
             if "step 3 world 4" in line:
-                _lose_host(b)
+                lose_host(b)
                 break
         out.extend(proc.stdout)
         code = proc.wait(timeout=240)
@@ -128,7 +106,7 @@ def launch_and_lose(hosts: Hosts, tmp_path: Path, body: str, lost: int,
         errs = err.read()
         err.close()
     for ns in (hosts.names[0], a):  # nothing left on the hosts that stayed
-        wait_for(lambda ns=ns: _pids_in(ns) == [], timeout=30, what=f"{ns} empty")
+        wait_for(lambda ns=ns: pids_in(ns) == [], timeout=30, what=f"{ns} empty")
     return code, "".join(out), errs
 
 
