@@ -207,12 +207,15 @@ def _become(sock: socket.socket, request: dict[str, Any], fds: list[int], middle
     os.close(log)
     parent = int(request["parent"])
     deadline = time.monotonic() + _REPARENT_WAIT_S
-    while os.getppid() != parent:  # the intermediate exits at once: then we are the parent's
-        if os.getppid() != middle or time.monotonic() > deadline:
+    while True:  # the intermediate exits at once: then we are the parent's
+        ppid = os.getppid()  # read once: it changes under us when the intermediate exits
+        if ppid == parent:
+            break
+        if ppid != middle or time.monotonic() > deadline:
             # the intended parent died meanwhile (we went to init), or was
             # no subreaper when the intermediate exited
             print(f"monarch_nb: a forked rank was not handed to its controller (pid "
-                  f"{parent}): its parent is pid {os.getppid()} (the intermediate was "
+                  f"{parent}): its parent is pid {ppid} (the intermediate was "
                   f"{middle})", file=sys.stderr, flush=True)
             os._exit(3)
         time.sleep(0.0002)
