@@ -796,6 +796,19 @@ def test_a_death_in_a_collective_names_the_other_ranks_side() -> None:
                          "check_collectives=True, names each rank's call before anything is sent)")
 
 
+def test_an_exit_in_a_collective_names_it_and_an_exit_after_one_does_not() -> None:
+    # the overrun of a mismatch may end the rank by an exit (a control thread
+    # whose objects it corrupted): the collective is named all the same
+    dead = ({}, [_rec(3, "float32[8]", flight.DONE), _rec(4, "float32[4]")])
+    theirs = [_rec(4, "float32[8]")]
+    hint = deathcause.explain(4, [], flight=dead, peers={0: theirs})
+    assert hint.startswith("in all_reduce #4 of float32[4] from <mnb-cell-7> line 3, while rank 0 "
+                           "called all_reduce #4 of float32[8]"), hint
+    # out of any collective, an exit tells its own story (its traceback), not the call's
+    done = ({"name": "<mnb-cell-7>"}, [_rec(3, "float32[8]", flight.DONE)])
+    assert deathcause.explain(4, [], flight=done) == ""
+
+
 def test_rank_died_shows_the_hint() -> None:
     from monarch_nb.errors import RankDied
 

@@ -90,7 +90,13 @@ def explain(code: int | None, log_tail: Sequence[str], *, last_rss: float | None
     ranks' persisted records, when they could be read (:func:`peers_hint`)."""
     if code is None:
         return ""
-    doing = flight_hint(code, *flight, peers=peers) if code < 0 else ""
+    doing = flight_hint(code, *flight, peers=peers)
+    if code >= 0 and not doing.startswith("in "):
+        # an exit says itself what it was doing (its traceback); but one in
+        # the middle of a collective is named, however it ended: a mismatch
+        # gloo does not catch overruns a buffer, and the corruption may end
+        # the rank by an abort or by an exit (a control thread that failed)
+        doing = ""
     why = _explain(code, log_tail, last_rss, mem_total, sent, mem_limit, mem_used)
     if not (doing and why):
         return doing or why
