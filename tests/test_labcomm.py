@@ -176,8 +176,11 @@ def test_comm_feeds_the_mesh_and_answers_requests(ks: KernelSession) -> None:
     assert (mesh["world"], mesh["backend"], mesh["state"]) == (2, "cpu", "running")
 
     assert _run(ks, "%monarch kill 1") == "ok"
-    wait_for(lambda: any(d.get("t") == "mesh" and d["mesh"] and d["mesh"]["up"] == 1
-                         for d in _data(ks, cid)), timeout=30, what="1/2 ranks after the kill")
+    # the feed samples at 4 Hz: a rank forked back within a sample shows as
+    # its new incarnation, not always as a moment at 1/2 ranks
+    wait_for(lambda: any(d.get("t") == "mesh" and d["mesh"] and (
+        d["mesh"]["up"] == 1 or d["mesh"]["ranks"][1]["incarnation"] == 1)
+        for d in _data(ks, cid)), timeout=30, what="the kill in the feed")
     wait_for(lambda: (_latest_mesh(ks, cid) or {}).get("up") == 2
              and _latest_mesh(ks, cid)["ranks"][1]["incarnation"] == 1,
              timeout=60, what="rank 1 respawned")
