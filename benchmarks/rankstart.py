@@ -37,6 +37,14 @@ same run, each ratio beside its floor:
   holds, against four lone processes that imported torch.
 
 Targets (issue 40): cold start <= 0.6x, every kill <= 0.5 s, PSS <= 0.6x.
+
+    .venv/bin/python benchmarks/rankstart.py --fork --remote [--repeat 3]
+
+The same for a remote host's 2 ranks behind its host agent (the ssh
+launcher with ``MONARCH_NB_SSH="sh -c"``: the "host" is this machine, reached
+as an ssh host is, its agent forking from its own warm process): cold start
+of 2 ranks against two torch imports together, a kill right after the start
+and two once settled (the agent's spare there), fork=False against fork=True.
 """
 
 from __future__ import annotations
@@ -131,6 +139,47 @@ print(json.dumps({{"start": start, "at_start": at_start, "settled": settled, "ps
                   "pss_helper": ranks + extra, "forked": forked}}))
 """
 
+REMOTE_MESH = """
+import json, os, signal, time
+import monarch_nb as mnb
+from monarch_nb import Mesh
+
+os.environ["MONARCH_NB_SSH"] = "sh -c"
+
+def _sum():
+    import torch
+    import torch.distributed as dist
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    return x.item()
+
+t = time.perf_counter()
+mesh = Mesh.start(n=2, backend="cpu", launcher="ssh", hosts="hA", bind="127.0.0.1",
+                  master_addr="127.0.0.1", start_timeout=120, fork={fork}, restart_budget=1000)
+start = time.perf_counter() - t
+
+def kill_to_collective(rank):
+    pid = mesh.status()[rank]["pid"]  # on the "host", which is this machine
+    t0 = time.perf_counter()
+    os.kill(pid, signal.SIGKILL)
+    while True:
+        try:
+            mesh.run(_sum, timeout=120)
+            return time.perf_counter() - t0
+        except mnb.RankErrors:
+            continue
+
+at_start = kill_to_collective(1)
+settled = []
+for rank in (0, 1):
+    time.sleep(6.0)  # the agent's spare (or warm process) ready again
+    settled.append(kill_to_collective(rank))
+hashes = mesh.run(hash, "forked?")  # one warm process: one string hash seed
+mesh.stop()
+print(json.dumps({{"start": start, "at_start": at_start, "settled": settled,
+                  "forked": len(set(hashes.values())) == 1}}))
+"""
+
 LONE_TORCH = "import sys, torch; print('ready', flush=True); sys.stdin.read()"
 
 
@@ -200,6 +249,37 @@ def fork_table(repeat: int) -> None:
           "exits); four lone processes with torch imported (their PSS)")
 
 
+def remote_table(repeat: int) -> None:
+    """A remote host's 2 ranks behind its agent: fork=False (before) and
+    fork=True (after) beside two torch imports, one run."""
+    tree = Path(__file__).resolve().parent.parent
+    floors: list[float] = []
+    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    for _ in range(repeat):
+        floors.append(torch_floor(2)[0])
+        for fork in (False, True):
+            runs[fork].append(json.loads(child(tree, REMOTE_MESH.format(fork=fork))))
+    assert all(r["forked"] for r in runs[True]) and not any(r["forked"] for r in runs[False])
+    floor = statistics.median(floors)
+
+    def values(fork: bool, key: str) -> list[float]:
+        return [v for r in runs[fork] for v in (r[key] if isinstance(r[key], list) else [r[key]])]
+
+    print(f"\nwarm process behind a host agent, 2 CPU ranks on one remote host, {repeat} runs, "
+          f"{os.cpu_count()} CPUs (medians; worst kill in brackets)\n")
+    print("| measure | floor | fork=False (before) | ratio | fork (after) | ratio |")
+    print("|---|---:|---:|---:|---:|---:|")
+    b, a = statistics.median(values(False, "start")), statistics.median(values(True, "start"))
+    print(f"| cold start of 2 remote ranks (s) | {floor:.2f} | {b:.2f} | {b / floor:.2f}x "
+          f"| {a:.2f} | {a / floor:.2f}x |")
+    for label, key in (("kill right after start to both answering a collective (s)", "at_start"),
+                       ("kill once settled to both answering a collective (s)", "settled")):
+        bv, av = values(False, key), values(True, key)
+        print(f"| {label} | - | {statistics.median(bv):.2f} ({max(bv):.2f}) | - "
+              f"| {statistics.median(av):.2f} ({max(av):.2f}) | - |")
+    print("\nfloor: two `python -c \"import torch\"` started together (until the last exits)")
+
+
 def child(tree: Path, code: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     return subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True,
@@ -226,9 +306,14 @@ def main() -> None:
     ap.add_argument("--before", type=Path, help="the tree to compare with (e.g. main)")
     ap.add_argument("--fork", action="store_true",
                     help="fork=False against fork=True in this tree, beside the floors")
+    ap.add_argument("--remote", action="store_true",
+                    help="with --fork: a remote host's 2 ranks behind its agent")
     ap.add_argument("--after", type=Path, default=Path(__file__).resolve().parent.parent)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
+    if args.fork and args.remote:
+        remote_table(args.repeat)
+        return
     if args.fork:
         fork_table(args.repeat)
         return

@@ -73,7 +73,10 @@ def _spare_waits(agent: psutil.Process, ranks: set[int]) -> bool:
         if proc.pid in ranks:
             continue
         try:
-            with open(os.readlink(f"/proc/{proc.pid}/fd/1"), "rb") as log:
+            path = os.readlink(f"/proc/{proc.pid}/fd/1")
+            if not os.path.basename(path).startswith("spare"):
+                continue  # the agent's warm process (warm<n>.log), which forks ranks
+            with open(path, "rb") as log:
                 return SPARE_WAITING.encode() in log.read(4096)
         except OSError:
             return False
@@ -350,10 +353,12 @@ def test_a_spare_host_must_be_free_and_needs_a_multi_host_launcher(two_hosts: di
 
 # -- the channel ----------------------------------------------------------------------------
 def test_agent_messages_round_trip_and_wrong_fields_are_refused() -> None:
-    line = agentwire.encode("spawn", sid=1, rank=2, inc=0, env={"A": "b"}, spare=True, relay="agent.a.1")
+    line = agentwire.encode("spawn", sid=1, rank=2, inc=0, env={"A": "b"}, spare=True, relay="agent.a.1",
+                            fork=True, preload=["json"])
     assert agentwire.decode(line, agentwire.TO_AGENT)["env"] == {"A": "b"}
     for bad in (b"", b"[]", b'{"op": "spawn"}', b'{"op": "nope"}',
-                agentwire.encode("spawn", sid=True, rank=2, inc=0, env={}, spare=True, relay=""),
+                agentwire.encode("spawn", sid=True, rank=2, inc=0, env={}, spare=True, relay="",
+                                 fork=True, preload=[]),
                 agentwire.encode("exit", sid=1, code="0", flight=""),
                 agentwire.encode("started", sid=1, pid=3, spare=True)):  # not to an agent
         with pytest.raises(ValueError):

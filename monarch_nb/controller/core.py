@@ -154,6 +154,13 @@ class Controller:
             # a launcher whose ranks' main channels go through their host's
             # agent (procs/agents.py): one message per host (wire/hostrelay.py)
             launcher.route = self.io.attach_relay  # type: ignore[attr-defined]
+        if isinstance(launcher, AgentLauncher):
+            # each host's agent forks its ranks from its own warm process, as
+            # the supervisor forks ours (procs/hostagent.py); every host's
+            # starts now (after the route: its agent is made here)
+            launcher.fork, launcher.preload = cfg.fork, cfg.preload
+            sup = self.supervisor
+            launcher.start_warm(world_size, sup.log_dir, lambda r: sup.env_for(r, 0, ""))
         # CUDA tensors by IPC handle (opt-in; wire/gpuipc.py): local ranks on
         # GPUs only. Rank r's GPU is this process's cuda:<its local rank>
         # (backends.pin_env gives it the local_rank-th of our visible GPUs).

@@ -268,7 +268,8 @@ class HostAgent:
             except (OSError, ValueError):
                 pass  # its reader sees the end and declares the host lost
 
-    def spawn(self, rank: int, env: dict[str, str], log_path: str, spare: bool) -> RemoteRank:
+    def spawn(self, rank: int, env: dict[str, str], log_path: str, spare: bool,
+              fork: bool = False, preload: tuple[str, ...] = ()) -> RemoteRank:
         inc = int(env.get(config.ENV_INCARNATION, "0"))
         with self._lock:
             # a process it replaces ends when the agent reports its exit (the
@@ -286,10 +287,16 @@ class HostAgent:
         if self.door is not None and config.ENV_SHM in env:  # this machine: shared memory
             shipped[config.ENV_SHM] = env[config.ENV_SHM]
         self.send("spawn", sid=handle.sid, rank=rank, inc=inc, env=shipped, spare=spare,
-                  relay=self.relay_id)
+                  relay=self.relay_id, fork=fork, preload=list(preload))
         if not handle.started.wait(STARTED_TIMEOUT_S):
             self.lose(f"no answer to starting rank {rank} in {STARTED_TIMEOUT_S:.0f} s")
         return handle
+
+    def warm(self, fork: bool, preload: tuple[str, ...], env: dict[str, str]) -> None:
+        """Have the agent start its warm process now (hostagent.py)."""
+        if not self.lost:
+            self.send("warm", fork=fork, preload=list(preload),
+                      env={k: env[k] for k in agentwire.IMPORT_ENV if k in env})
 
     def check(self, now: float) -> None:
         if not self.lost and now - self.heard > self.host_timeout:
@@ -478,6 +485,10 @@ class AgentLauncher:
     relays: bool = True  # its ranks' main channels can go through the agents (``route``)
     route: Route | None = None
     door: KeptDoor | None = None  # a kept mesh's: its agent is reached by its door
+    # the mesh's ``fork`` and ``preload`` (set by the controller from its
+    # MeshConfig): each agent forks its ranks from its own warm process
+    fork: bool = field(default_factory=config.fork_default)
+    preload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.inner, HomeLauncher):
@@ -508,7 +519,7 @@ class AgentLauncher:
         if self.host_lost(host):  # a restart after a lost host: onto a spare if one is left
             host = self.replace_host(host) or host
         agent = self._agent(host, env, log.name)
-        return agent.spawn(rank, env, log.name, self.spare)
+        return agent.spawn(rank, env, log.name, self.spare, self.fork, self.preload)
 
     def _agent(self, host: str, env: dict[str, str], log_name: str) -> HostAgent:
         with self._lock:
@@ -524,6 +535,24 @@ class AgentLauncher:
                                                name="monarch-nb-agents")
                 self._watch.start()
             return agent
+
+    def start_warm(self, world_size: int, log_dir: str,
+                   env_for: Callable[[int], dict[str, str]]) -> None:
+        """At the mesh's start: every host of the placement gets its agent
+        now, and its warm process starts importing torch, side by side
+        (the controller's first spawn to each host would otherwise wait for
+        one host's import after another's). ``env_for(rank)``: a rank's
+        environment. A kept mesh's agents (their doors) start theirs with
+        the first spawn."""
+        if not self.fork or self.door is not None:
+            return
+        first: dict[str, int] = {}
+        for rank in range(world_size):
+            first.setdefault(self.placement(rank, world_size).host, rank)
+        for host, rank in first.items():
+            env = env_for(rank)
+            self._agent(host, env, os.path.join(log_dir, "start")).warm(
+                self.fork, self.preload, env)
 
     def open(self, host: str, log_dir: str, lost_ok: bool = False) -> HostAgent:
         """``host``'s agent, reached now (a kept mesh's, at attach: it runs

@@ -27,6 +27,9 @@ import json
 from typing import Any
 
 MAX_LINE = 64 << 20  # a line longer than this is dropped (a log burst is cut in pieces first)
+# what a warm process or a spare takes from the ranks' environment before it
+# knows its rank: what torch reads at import
+IMPORT_ENV = ("OMP_NUM_THREADS", "PYTHONPATH", "MKL_NUM_THREADS")
 
 # controller -> agent
 TO_AGENT: dict[str, dict[str, type | tuple[type, ...]]] = {
@@ -38,7 +41,14 @@ TO_AGENT: dict[str, dict[str, type | tuple[type, ...]]] = {
     # ``relay``: the routing id of the agent's one connection to the
     # controller, which carries the rank's main channel (wire/hostrelay.py);
     # "" for none (the rank then connects its own DEALER)
-    "spawn": {"sid": int, "rank": int, "inc": int, "env": dict, "spare": bool, "relay": str},
+    # ``fork``, ``preload``: the mesh's (MeshConfig): fork the rank from the
+    # host's warm process, which imports ``preload`` (procs/hostagent.py)
+    "spawn": {"sid": int, "rank": int, "inc": int, "env": dict, "spare": bool, "relay": str,
+              "fork": bool, "preload": list},
+    # the same settings at the mesh's start, before any spawn: the agent
+    # starts its warm process at once (every host's imports torch side by
+    # side); ``env``: what torch reads at import (IMPORT_ENV of the ranks')
+    "warm": {"fork": bool, "preload": list, "env": dict},
     # ``tree``: the rank's whole process group (killpg), else its process
     "signal": {"sid": int, "sig": int, "tree": bool},
     "ping": {},
@@ -112,4 +122,4 @@ def string_map(value: dict[Any, Any]) -> dict[str, str]:
     return value
 
 
-__all__ = ["FROM_AGENT", "MAX_LINE", "TO_AGENT", "decode", "encode", "string_map"]
+__all__ = ["FROM_AGENT", "IMPORT_ENV", "MAX_LINE", "TO_AGENT", "decode", "encode", "string_map"]

@@ -2,10 +2,22 @@
 ssh or SLURM launcher (``python -m monarch_nb.agent``), that starts and
 supervises its host's ranks as the controller does for local ones.
 
-For each rank the controller asks for (agentwire ``spawn``) it starts a
-fresh ``python -m monarch_nb.worker``, or hands the rank to its warm spare
-(torch already imported: spares.py, engine/spare.py), in its own session so
-that its whole process tree goes with it (``kill_tree``). It watches every
+For each rank the controller asks for (agentwire ``spawn``) it forks one
+from its host's warm process (procs/warm.py, engine/warm.py: torch imported
+once per host; the agent is then the rank's parent, as the controller is of
+a local rank), or hands the rank to its spare (torch already imported:
+spares.py, engine/spare.py), or, with the mesh's ``fork=False`` or once the
+warm process failed, starts a fresh ``python -m monarch_nb.worker``; each in
+its own session so that its whole process tree goes with it (``kill_tree``).
+
+The warm process starts when the controller says ``warm`` at the mesh's
+start (every host's imports torch side by side), or with the first
+``spawn`` (the mesh's ``fork`` and ``preload`` come in each, with the other
+per-mesh settings), and is never waited for on the control loop: a start asked for while it imports torch
+waits in ``pending`` (a thread wakes the loop when it is ready), at most
+``WARM_WAIT_S``, then starts fresh. A warm process that fails (a preload
+that does not import, a death, a refused fork) is logged once and the agent
+starts fresh interpreters from then on, as the controller's supervisor does. It watches every
 rank's exit (a thread waiting on it) and reports it at once with the rank's
 persisted flight records; it reports every rank's process state each tick
 (the controller tells a stopped rank from a busy one exactly as for a local
@@ -49,6 +61,7 @@ from ..errors import UsageError
 from ..wire import link as links
 from ..wire.hostrelay import Relay
 from . import agentwire, keptagent, keptfiles, spares
+from . import warm as warms
 from .keptagent import Door
 from .liveness import os_state
 from .supervisor import kill_tree
@@ -56,8 +69,11 @@ from .supervisor import kill_tree
 TICK_S = 0.2  # states and heartbeat; a SIGSTOP is seen within a tick of the controller asking
 LOG_CHUNK = 1 << 20  # at most this much of a rank's log per message
 SPARE_AFTER_S = 1.0  # a spare starts this long after the last spawn (the ranks start first)
-# what a spare takes from a rank's spec before it knows its rank: what torch reads at import
-SPARE_ENV = ("OMP_NUM_THREADS", "PYTHONPATH", "MKL_NUM_THREADS")
+# what a spare (and the warm process) takes from a rank's spec before it knows its rank
+SPARE_ENV = agentwire.IMPORT_ENV
+# a start asked for while the warm process imports torch waits this long for
+# it, then starts fresh (the controller waits agents.STARTED_TIMEOUT_S for it)
+WARM_WAIT_S = 15.0
 
 
 @dataclass
@@ -100,11 +116,25 @@ class Child:
     sid: int
     rank: int
     inc: int
-    popen: subprocess.Popen[bytes]
+    popen: subprocess.Popen[bytes] | warms.Forked
     log_path: str
     log_sent: int = 0  # bytes of its log already sent
     ended: bool = False
     ident: str = ""  # its socket identity prefix (a kept mesh's new controller needs it)
+
+
+@dataclass
+class Pending:
+    """A start asked for while the warm process was not ready yet; a signal
+    the controller sent it meanwhile is sent once it runs."""
+
+    sid: int
+    rank: int
+    inc: int
+    spec: dict[str, str]
+    keep_spare: bool
+    since: float = field(default_factory=time.monotonic)
+    signals: list[tuple[int, bool]] = field(default_factory=list)
 
 
 class DoorOut:
@@ -130,11 +160,20 @@ class Agent:
     folder: str = field(default_factory=lambda: tempfile.mkdtemp(
         prefix=f"monarch-nb-agent-{os.getpid()}-"))
     children: dict[int, Child] = field(default_factory=dict)
-    spare: subprocess.Popen[bytes] | None = None
+    spare: subprocess.Popen[bytes] | warms.Forked | None = None
     spare_log: str = ""
     spare_env: dict[str, str] | None = None
     spare_due: float | None = None
     spare_links: RankLinks | None = None  # the spare's links to our relay (if we relay)
+    spare_link_env: dict[str, str] = field(default_factory=dict)  # their numbers in the spare
+    # the host's warm process (procs/warm.py): the mesh's ``fork`` and
+    # ``preload`` as the last spawn gave them; ``fork_off``: why it stopped
+    warm: warms.WarmProcess | None = None
+    warm_settings: tuple[bool, tuple[str, ...]] = (False, ())
+    fork_off: str = ""
+    pending: list[Pending] = field(default_factory=list)
+    _warms: int = 0
+    _wake: queue.Queue[bytes | None] | None = None  # the control loop's lines
     relay: Relay | None = None
     stopping: bool = False
     door: Door | None = None  # a kept mesh's agent: controllers come and go (keptagent.py)
@@ -154,6 +193,7 @@ class Agent:
     # -- the control loop (main thread: every fork happens here) -------------------------------
     def run(self, lines: queue.Queue[bytes | None]) -> int:
         os.chmod(self.folder, 0o700)
+        self._wake = lines
         self.send("hello", host=socket.gethostname(), pid=os.getpid())
         threading.Thread(target=self._ticker, name="monarch-nb-agent-tick", daemon=True).start()
         grace = 3.0
@@ -189,6 +229,7 @@ class Agent:
                     grace = float(msg["grace"])
                     break
                 self._handle(msg)
+            self._start_pending()
             self._keep_spare()
         self.shutdown(grace)
         return 0
@@ -204,37 +245,57 @@ class Agent:
             if msg["relay"] and self.relay is None:  # the controller routes through us from now
                 self.relay = Relay(msg["relay"], env[config.ENV_CONTROLLER],
                                    config.curve_keys(env), _max_bytes(env), _key(env))
+            self._want_warm(bool(msg["fork"]), msg["preload"], env)
+            if self.pending or self._warming():  # in order, after the ones waiting already
+                self.pending.append(Pending(msg["sid"], msg["rank"], msg["inc"], env,
+                                            bool(msg["spare"])))
+                return
             self.spawn(msg["sid"], msg["rank"], msg["inc"], env, bool(msg["spare"]))
+        elif op == "warm":
+            try:
+                env = agentwire.string_map(msg["env"])
+            except ValueError as exc:
+                self.send("error", text=str(exc))
+                return
+            self._want_warm(msg["fork"], msg["preload"], env)
         elif op == "keep" and self.door is not None:
             self.door.state = msg["state"]
         elif op == "detach" and self.door is not None:
             self.door.let_go()
         elif op == "signal":
-            child = next((c for c in self.children.values() if c.sid == msg["sid"]), None)
-            if child is None or child.ended:
+            waiting = next((p for p in self.pending if p.sid == msg["sid"]), None)
+            if waiting is not None:
+                waiting.signals.append((msg["sig"], msg["tree"]))
                 return
-            try:
-                if msg["tree"]:
-                    kill_tree(child.popen.pid, msg["sig"])
-                else:
-                    os.kill(child.popen.pid, msg["sig"])
-            except (ProcessLookupError, ValueError, OSError):
-                pass
+            child = next((c for c in self.children.values() if c.sid == msg["sid"]), None)
+            self._signal(child, msg["sig"], msg["tree"])
+
+    @staticmethod
+    def _signal(child: Child | None, sig: int, tree: bool) -> None:
+        if child is None or child.ended:
+            return
+        try:
+            if tree:
+                kill_tree(child.popen.pid, sig)
+            else:
+                os.kill(child.popen.pid, sig)
+        except (ProcessLookupError, ValueError, OSError):
+            pass
 
     def spawn(self, sid: int, rank: int, inc: int, spec: dict[str, str],
-              keep_spare: bool) -> None:
+              keep_spare: bool) -> Child:
         log_path = os.path.join(self.folder, f"rank{rank}.{inc}.{sid}.log")
         env = {**os.environ, **spec, config.ENV_PARENT_PID: str(os.getpid()),
                flight.PERSIST_ENV: flight.persist_path(log_path)}
         for name in RankLinks.ENV:
             env.pop(name, None)
-        popen = None
+        popen: subprocess.Popen[bytes] | warms.Forked | None = None
         pair: RankLinks | None = None
         if self.spare is not None and spares.is_waiting(self.spare_log):
             candidate, self.spare = self.spare, None
             pair, self.spare_links = self.spare_links, None
             if pair is not None:
-                env.update(pair.env())
+                env.update(self.spare_link_env)  # their numbers there (a forked spare's differ)
             if spares.assign(candidate, env, log_path):
                 popen = candidate
             else:
@@ -250,12 +311,14 @@ class Agent:
             if pair is not None:
                 env.update(pair.env())
             try:
-                with open(log_path, "ab", buffering=0, opener=config.private) as log:
-                    popen = subprocess.Popen(
-                        [sys.executable, "-m", "monarch_nb.worker"], env=env,
-                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                        start_new_session=True, close_fds=True,
-                        pass_fds=() if pair is None else pair.fds)
+                popen = self._fork_rank(env, log_path, pair)
+                if popen is None:  # fork=False, the warm process not ready or failed
+                    with open(log_path, "ab", buffering=0, opener=config.private) as log:
+                        popen = subprocess.Popen(
+                            [sys.executable, "-m", "monarch_nb.worker"], env=env,
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, close_fds=True,
+                            pass_fds=() if pair is None else pair.fds)
             except BaseException:
                 if pair is not None:
                     pair.close()
@@ -281,19 +344,30 @@ class Agent:
             self.spare_env = {**os.environ, **{k: v for k, v in spec.items() if k in SPARE_ENV},
                               config.ENV_PARENT_PID: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
             self.spare_due = time.monotonic() + SPARE_AFTER_S
+        return child
 
     def _keep_spare(self) -> None:
-        """Start the spare once the ranks had their start (main thread)."""
+        """Start the spare once the ranks had their start (main thread):
+        forked from the warm process when ranks are, else fresh."""
         if self.spare is not None and self.spare.poll() is not None:
             self.spare = None  # it died (out of memory?): a new one
             self.spare_due = time.monotonic() + SPARE_AFTER_S
+            if self.spare_links is not None:
+                self.spare_links.close()
+                self.spare_links = None
         if (self.spare is None and self.spare_env is not None and self.spare_due is not None
-                and time.monotonic() >= self.spare_due and not self.stopping):
+                and time.monotonic() >= self.spare_due and not self.stopping
+                and not self._warming()):  # (a fresh one would import torch beside it)
             self.spare_log = os.path.join(self.folder, f"spare{time.monotonic_ns()}.log")
             pair = RankLinks.make() if self.relay is not None else None
             try:
-                self.spare = spares.start(self.spare_env, self.spare_log,
-                                          () if pair is None else pair.fds)
+                made = self._fork_spare(self.spare_env, pair)
+                if made is None:
+                    self.spare = spares.start(self.spare_env, self.spare_log,
+                                              () if pair is None else pair.fds)
+                    self.spare_link_env = {} if pair is None else pair.env()
+                else:
+                    self.spare, self.spare_link_env = made
             except BaseException:
                 if pair is not None:
                     pair.close()
@@ -301,6 +375,125 @@ class Agent:
             if pair is not None:
                 pair.handed_over()
             self.spare_links = pair  # named to it in its assignment
+
+    # -- the warm process (procs/warm.py; main thread, never waited for here) ------------------
+    def _want_warm(self, fork: bool, preload: list[Any], spec: dict[str, str]) -> None:
+        """The mesh's ``fork`` and ``preload`` (every spawn carries them):
+        start the warm process (not waiting for it), or another one for new
+        settings (a kept mesh's next controller) or after a death, or none."""
+        try:
+            names = config.parse_preload(preload)
+        except UsageError as exc:  # (the controller checked them: not one of ours)
+            self.send("error", text=f"spawn: {exc}")
+            fork, names = False, ()
+        if (fork, names) != self.warm_settings:
+            self.warm_settings = (fork, names)
+            self._stop_warm()
+            self.fork_off = ""  # new settings: a new try
+        if not fork or self.fork_off or self.stopping or not warms.available():
+            return
+        if self.warm is not None:
+            if self.warm.popen.poll() is None:
+                return
+            self._stop_warm()  # it died after it was ready (out of memory?): another one
+        env = {**os.environ, **{k: v for k, v in spec.items() if k in SPARE_ENV}}
+        for var in (config.ENV_LINK_FD, config.ENV_CTL_LINK_FD, config.ENV_SPARE):
+            env.pop(var, None)
+        self._warms += 1
+        try:
+            warm = warms.WarmProcess.start(env, os.path.join(self.folder, f"warm{self._warms}.log"),
+                                           names)
+        except OSError as exc:
+            self._warm_failed(f"it could not start: {exc}")
+            return
+        self.warm = warm
+        threading.Thread(target=self._watch_warm, args=(warm,), daemon=True,
+                         name="monarch-nb-agent-warm").start()
+
+    def _watch_warm(self, warm: warms.WarmProcess) -> None:
+        """Wait for the warm process's import off the control loop, then
+        wake the loop (its waiting starts go on, or fresh if it failed)."""
+        try:
+            warm.wait_ready()
+        except Exception:  # its error is in ``warm.error``, which the loop reads
+            if not warm.error:
+                warm.error = "its socket failed"
+        if self._wake is not None:
+            self._wake.put(b"")
+
+    def _warming(self) -> bool:
+        """The warm process imports torch still: a start waits for it."""
+        warm = self.warm
+        return (warm is not None and not warm.ready and not warm.error and not self.fork_off
+                and warm.popen.poll() is None)
+
+    def _start_pending(self) -> None:
+        """The starts that waited for the warm process: forked once it is
+        ready, fresh once it failed or after ``WARM_WAIT_S``."""
+        warm = self.warm
+        if warm is not None and warm.error and not warm.ready:
+            self._warm_failed(warm.error)
+        while self.pending:
+            first = self.pending[0]
+            if self._warming() and time.monotonic() - first.since < WARM_WAIT_S:
+                return
+            self.pending.pop(0)
+            child = self.spawn(first.sid, first.rank, first.inc, first.spec, first.keep_spare)
+            for sig, tree in first.signals:
+                self._signal(child, sig, tree)
+
+    def _fork_rank(self, env: dict[str, str], log_path: str,
+                   pair: RankLinks | None) -> warms.Forked | None:
+        """``env``'s rank forked from the warm process (our child); None
+        when it is not ready or fails now (a fresh interpreter then)."""
+        warm = self.warm
+        if warm is None or not warm.ready or self.fork_off:
+            return None
+        fds = {} if pair is None else dict(zip(RankLinks.ENV, pair.fds, strict=True))
+        try:
+            return warm.fork(env, log_path, fds)
+        except (warms.WarmError, OSError, ValueError) as exc:
+            self._warm_failed(str(exc))
+            return None
+
+    def _fork_spare(self, env: dict[str, str], pair: RankLinks | None
+                    ) -> tuple[warms.Forked, dict[str, str]] | None:
+        """A spare forked from the warm process, its assignment to come on a
+        pipe as a fresh spare's, and the numbers its link ends have there."""
+        warm = self.warm
+        if warm is None or not warm.ready or self.fork_off:
+            return None
+        fds = {} if pair is None else dict(zip(RankLinks.ENV, pair.fds, strict=True))
+        r, w = os.pipe()
+        try:
+            child = warm.fork({**env, config.ENV_SPARE: "1"}, self.spare_log, fds, None, r)
+        except (warms.WarmError, OSError, ValueError) as exc:
+            os.close(w)
+            self._warm_failed(str(exc))
+            return None
+        finally:
+            os.close(r)
+        child.stdin = os.fdopen(w, "wb", buffering=0)
+        return child, {name: str(child.fds[name]) for name in fds}
+
+    def _warm_failed(self, why: str) -> None:
+        """Fresh interpreters from now on, said once (here and to the controller)."""
+        if self.fork_off:
+            return
+        self.fork_off = why
+        text = (f"ranks start as fresh interpreters from now on: the warm process cannot fork "
+                f"({why})")
+        sys.stderr.write(f"monarch_nb agent: {text}\n")
+        self.send("error", text=text)
+        self._stop_warm()
+
+    def _stop_warm(self) -> None:
+        warm, self.warm = self.warm, None
+        if warm is not None:
+            try:
+                warm.stop()
+            except (OSError, subprocess.TimeoutExpired):
+                warm.kill_now()
 
     def _wait(self, child: Child) -> None:
         code = child.popen.wait()
@@ -368,6 +561,8 @@ class Agent:
         """Every rank and the spare go: asked to stop by the controller over
         their own channel already, the ones alive after ``grace`` are killed."""
         self.stopping = True
+        self.pending.clear()  # never started: the controller stops anyway
+        self._stop_warm()  # forks nothing more; its ranks are ours, stopped below
         if self.spare is not None:
             spares.discard(self.spare)
         if self.spare_links is not None:
