@@ -73,7 +73,7 @@ SPARE_AFTER_S = 1.0  # a spare starts this long after the last spawn (the ranks 
 SPARE_ENV = agentwire.IMPORT_ENV
 # a start asked for while the warm process imports torch waits this long for
 # it, then starts fresh (the controller waits agents.STARTED_TIMEOUT_S for it)
-WARM_WAIT_S = 15.0
+WARM_WAIT_S = 5.0  # the controller waits for "started" meanwhile: well below the ranks' controller_timeout (10 s)
 
 
 @dataclass
