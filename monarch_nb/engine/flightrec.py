@@ -44,6 +44,7 @@ wording (flight.py).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import importlib
 import inspect
@@ -263,10 +264,24 @@ class Persisted:
     def __init__(self, path: str) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, flight.PERSIST_SIZE)
+            # the blocks reserved now: a sparse file's page written on a full
+            # file system (a small TMPDIR) is a SIGBUS, not an error; here
+            # ENOSPC is an OSError, and the rank goes on without the ring
+            try:
+                if hasattr(os, "posix_fallocate"):  # (not on macOS: sparse there)
+                    os.posix_fallocate(fd, 0, flight.PERSIST_SIZE)
+                else:
+                    os.ftruncate(fd, flight.PERSIST_SIZE)
+            except OSError:
+                os.close(fd)
+                fd = -1
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                raise
             self.mm = mmap.mmap(fd, flight.PERSIST_SIZE)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self.mm[0:8] = flight.PERSIST_MAGIC
         self.path = path
         self.total = 0
