@@ -535,22 +535,27 @@ def test_a_call_waiting_for_a_backoff_goes_out_when_the_host_is_lost(two_hosts: 
 
 
 def test_open_all_opens_every_door_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """At attach every host's door is opened side by side: 128 doors that
-    each take 0.3 s (ssh, the door's interpreter) cost one door's time, not
-    one per round of a smaller pool. No process: HostAgent is a stand-in."""
+    """At attach every host's door is opened side by side: 128 slow doors
+    (ssh, the door's interpreter) cost one door's time, not one per round of
+    a smaller pool. No process: HostAgent is a stand-in."""
     import threading
 
     from monarch_nb.procs import agents as agents_mod
 
     at_once = [0, 0]  # now, most
     lock = threading.Lock()
+    all_in = threading.Event()
 
     class SlowDoor:
         def __init__(self, host: str, *args: Any) -> None:
             with lock:
                 at_once[0] += 1
                 at_once[1] = max(at_once[1], at_once[0])
-            time.sleep(0.3)
+                if at_once[0] == 128:
+                    all_in.set()
+            # each door stays open until every one is (a pool of fewer than
+            # 128 never gets there: its doors give up after 10 s, the test fails)
+            all_in.wait(10)
             with lock:
                 at_once[0] -= 1
             self.host, self.lost = host, ""

@@ -192,6 +192,36 @@ def test_heartbeats_are_held_then_go_up_as_one_beats_of_each_ranks_newest() -> N
     assert folder.fold([one]) == [one]
 
 
+def test_a_heartbeat_that_enters_or_leaves_an_elastic_loop_goes_up_at_once() -> None:
+    """A script's rank in an mnb.elastic loop carries on in place after a
+    peer's death; the controller knows by this heartbeat, which must not
+    wait behind the others (a host lost right after the loop began)."""
+    folder = Folder(KEY, AGENT, beat_hold=0.25)
+
+    def looping(name: str, el: bool, codec: Codec | None = None) -> tuple[bytes, list[bytes]]:
+        signer = codec or CODECS[name]
+        return name.encode(), [bytes(f) for f in signer.sign(Kind.HEARTBEAT,
+                                                              meta={"busy": 3, "el": el})]
+
+    def sent(out: list[Entry]) -> dict[bytes, dict[str, Any]]:
+        (ident, frames), = out
+        assert ident == AGENT.encode()
+        return unpack_beats(Codec(KEY, "controller").verify(frames, expected_sender=AGENT).payload[0])
+
+    plain = looping("r1.ctl", False)
+    assert folder.fold([plain], now=10.0) == [] and folder.due == 10.25  # nothing new: held
+    out = folder.fold([looping("r0.ctl", True)], now=10.1)  # news: up now, with the held one
+    assert sent(out) == {b"r0.ctl": {"busy": 3, "el": True}, b"r1.ctl": {"busy": 3, "el": False}}
+    assert folder.due is None
+    assert folder.fold([looping("r0.ctl", True)], now=10.2) == [] and folder.due == 10.45  # said
+    out = folder.fold([looping("r1.ctl", True)], now=10.3)
+    assert sent(out) == {b"r0.ctl": {"busy": 3, "el": True}, b"r1.ctl": {"busy": 3, "el": True}}
+    assert folder.fold([looping("r1.ctl", False)], now=10.4) != []  # leaving is news too
+    # a forged one says nothing: held, then as it came
+    forged = looping("r2.ctl", True, Codec(new_key(), "r2.ctl"))
+    assert folder.fold([forged], now=11.0) == [] and folder.fold([], now=11.3) == [forged]
+
+
 @settings(max_examples=300)
 @given(st.binary(max_size=200) | st.builds(
     lambda d: json.dumps(d).encode(),

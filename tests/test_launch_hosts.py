@@ -126,7 +126,8 @@ def test_an_elastic_script_carries_on_in_place(hosts: Hosts, tmp_path: Path) -> 
     assert code == 0, err[-3000:]
     # the same processes (incarnation 0) finish the loop in a group of 2
     for rank in (0, 1):
-        assert f"final rank {rank} world 2 step 150 incarnation 0" in out, out[-2000:]
+        assert f"final rank {rank} world 2 step 150 incarnation 0" in out, (
+            out[-1000:] + "\n--- stderr ---\n" + err[-3000:])
     assert "step 150 world 2 sum 2" in out
     assert "runs the script again" not in err and "restarted in a new process" not in err, err
     assert "at world size 2 of 4; rank 2,3 lost" in err, err[-3000:]

@@ -28,7 +28,12 @@ relay holds them (:data:`BEAT_HOLD_S`) and sends those of the moment as one
 ``BEATS`` message, verified and signed by the agent like a fold (payload:
 JSON, each rank's control id and its heartbeat's meta). The controller's
 liveness looks at heartbeats only after seconds of silence; a stopped rank
-is seen through its process state, which the agent reports on its own.
+is seen through its process state, which the agent reports on its own. One
+heartbeat is news, though: the one that says its rank entered or left an
+``mnb.elastic`` loop (meta ``el``) goes up at once, with those held. The
+controller decides by it whether a peer's death restarts a script's rank
+in a new process or leaves it to re-form in place, and a host lost a
+moment after the loop began must not find it still on its way.
 
 Order: a rank's messages on one channel keep their order (a heartbeat
 excepted: nothing waits for it). A result joins a
@@ -75,8 +80,11 @@ class Folder:
         self.folded = 0  # results that went up inside a fold
         self.beats_folded = 0  # heartbeats that went up inside a BEATS
         self.beat_hold = beat_hold
-        self._beats: list[Entry] = []  # held heartbeats, oldest first
+        # held heartbeats, oldest first, each with its meta once verified
+        # here (None: it failed the check and goes up as it came)
+        self._beats: list[tuple[Entry, dict[str, Any] | None]] = []
         self._beats_due: float | None = None  # when they go up
+        self._in_loop: set[bytes] = set()  # ranks whose last heartbeat said el
 
     @property
     def due(self) -> float | None:
@@ -146,13 +154,24 @@ class Folder:
         go up later than what its rank sent after it)."""
         rest: list[Entry] = []
         beats = self._beats
+        news = False
         for entry in entries:
-            frames = entry[1]
-            if len(frames) == 1 and _is_beat(frames[0]):
-                beats.append(entry)
-            else:
+            ident, frames = entry
+            if not (len(frames) == 1 and _is_beat(frames[0])):
                 rest.append(entry)
-        if beats and self._beats_due is None:
+                continue
+            try:  # (verified once, here: the replay window takes a message once)
+                meta: dict[str, Any] | None = self.codec.verify(
+                    frames, expected_sender=ident.decode()).meta
+            except Exception:  # ProtocolError (or a bad id): the controller drops it
+                meta = None
+            beats.append((entry, meta))
+            if meta is not None and bool(meta.get("el")) != (ident in self._in_loop):
+                self._in_loop.symmetric_difference_update((ident,))
+                news = True  # entered or left an elastic loop: up at once
+        if news:
+            self._beats_due = now
+        elif beats and self._beats_due is None:
             self._beats_due = now + self.beat_hold
         return rest if len(rest) != len(entries) else entries
 
@@ -163,15 +182,13 @@ class Folder:
         held, self._beats, self._beats_due = self._beats, [], None
         newest: dict[bytes, dict[str, Any]] = {}
         out: list[Entry] = []
-        for ident, frames in held:
-            try:
-                msg = self.codec.verify(frames, expected_sender=ident.decode())
-            except Exception:
-                out.append((ident, frames))
-                continue
-            newest[ident] = msg.meta
+        for entry, meta in held:
+            if meta is None:
+                out.append(entry)
+            else:
+                newest[entry[0]] = meta
         if len(newest) == 1 and not out and len(held) == 1:
-            return held  # one heartbeat: as it came
+            return [held[0][0]]  # one heartbeat: as it came
         if newest:
             body = json.dumps({i.decode(): m for i, m in newest.items()},
                               separators=(",", ":")).encode()
