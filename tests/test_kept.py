@@ -18,8 +18,10 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -281,6 +283,50 @@ def test_detach_and_cli(runtime: str) -> None:
     out = subprocess.run([sys.executable, "-m", "monarch_nb.cli", "stop", "cli1"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "no kept mesh named 'cli1'" in out.stderr
+
+
+def test_the_door_closing_after_a_detach_is_not_a_lost_host(tmp_path: Path) -> None:
+    """A detach's answer is the door closing at once; the reader thread that
+    sees it close must not take it for a lost host, whose ranks' ends the
+    controller reaps (under load, both ranks of a detached mesh were
+    SIGKILLed so: their variables gone at the next attach)."""
+    from monarch_nb import backends
+    from monarch_nb.procs.agents import AgentLauncher, HomeLauncher, HostAgent
+    from monarch_nb.procs.supervisor import RankProcess, Supervisor
+
+    door = [sys.executable, "-c", "import sys\nfor line in sys.stdin:\n"
+            "    if 'detach' in line: sys.exit(0)"]
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            start_new_session=True)
+    try:
+        agent = HostAgent("localhost", door, dict(os.environ), str(tmp_path / "door.log"), 30.0)
+        assert agent.popen is not None
+        handle = agent.adopt({"sid": 1, "rank": 0, "inc": 0, "pid": rank.pid}, os.devnull)
+        reader = next(t for t in threading.enumerate() if t.name == "monarch-nb-agent-localhost")
+        agent.detach()
+        agent.popen.wait(timeout=30)
+        reader.join(timeout=30)
+        assert not reader.is_alive() and agent.lost == "detached"
+        assert handle.returncode is None and rank.poll() is None  # the rank lives on
+        agent.detach()  # twice: nothing more is said
+        # and should a kept rank of this machine read as ended while it
+        # runs, the controller still leaves its process to its agent
+        handle.ended(255, "host localhost lost")
+        sup = Supervisor(world_size=1, backend=backends.resolve("cpu"),
+                         controller_endpoint="tcp://x:1", key=b"k" * 32, mesh_id="m",
+                         master_port=1, launcher=AgentLauncher(HomeLauncher("door", 60.0)))
+        try:
+            sup.procs[0] = RankProcess(0, 0, handle, os.devnull)
+            assert sup.reap(0) == 255
+            sup.kill_proc(sup.procs[0])
+            with pytest.raises(subprocess.TimeoutExpired):  # (a SIGKILL lands in microseconds)
+                rank.wait(timeout=0.5)
+        finally:
+            sup.spawner.stop()
+            sup.cleanup_logs()
+    finally:
+        rank.kill()
+        rank.wait()
 
 
 def test_kernel_killed_with_training_cell_in_flight(runtime: str) -> None:

@@ -247,13 +247,22 @@ class HostAgent:
 
     def detach(self) -> None:
         """Let a kept agent go: it keeps the ranks (the lease starts)."""
-        self.send("detach")
+        data = agentwire.encode("detach")
         with self._lock:
-            self.lost = self.lost or "detached"  # (nothing more is said to it)
-            if self.popen is not None and self.popen.stdin is not None:
+            if self.lost:
+                return
+            # 'detached' before the agent hears it: its answer is to close
+            # the door, and the reader thread that sees the door close must
+            # not take it for a lost host (its ranks' ends: a reap of the
+            # live ranks; seen under load as both ranks SIGKILLed)
+            self.lost = "detached"  # (nothing more is said to it)
+            stdin = None if self.popen is None else self.popen.stdin
+            if stdin is not None and not stdin.closed:
                 try:
-                    self.popen.stdin.close()
-                except OSError:
+                    stdin.write(data)
+                    stdin.flush()
+                    stdin.close()
+                except (OSError, ValueError):
                     pass
 
     def send(self, op: str, **fields: Any) -> None:

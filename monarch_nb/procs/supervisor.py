@@ -481,8 +481,11 @@ class Supervisor:
         code = proc.popen.poll()
         if code is not None and not proc.reaped:
             proc.reaped = True
-            if not self.launcher.remote:
-                kill_tree(proc.pid)  # its DataLoader workers and other children
+            if not self.launcher.remote and not isinstance(proc.popen, RemoteRank):
+                # its DataLoader workers and other children (an agent's rank,
+                # a kept mesh's on this machine: its agent does that, having
+                # seen it end; what we hear is not always its end)
+                kill_tree(proc.pid)
             if proc.log_path != os.devnull:  # its records outlive it: read once, removed
                 proc.flight = flight.read_persisted(flight.persist_path(proc.log_path))
             if proc.pidfd is not None:
@@ -706,7 +709,7 @@ class Supervisor:
                 os.kill(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        if not self.launcher.remote:
+        if not self.launcher.remote and not isinstance(proc.popen, RemoteRank):
             kill_tree(proc.pid)
 
     def terminate_all(self, grace: float = 3.0) -> None:
