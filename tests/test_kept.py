@@ -369,6 +369,37 @@ def test_kernel_killed_with_training_cell_in_flight(runtime: str) -> None:
             second.end()
 
 
+def test_a_rank_that_died_in_a_call_while_detached_fails_its_part(runtime: str) -> None:
+    """A call in flight at the detach; rank 1 is killed in it while no
+    controller is attached. The next controller's pending call is that of
+    both ranks: rank 0's value, rank 1's death (not a result of rank 0
+    alone), and pending_info says so; rank 1 is back for the next call."""
+    from monarch_nb.errors import RankDied, RankErrors
+
+    mesh = Mesh.start(n=2, backend="cpu", name="died1", keep_alive="2m")
+    attached = None
+    try:
+        pids = [r["pid"] for r in mesh.status()]
+        started = os.path.join(runtime, "call-started")
+        mesh.exec(f"import os, time\nif rank == 1:\n    open({started!r}, 'w').close()\n"
+                  "time.sleep(2 if rank == 0 else 60)\nrank + 10", block=False)
+        wait_for(lambda: os.path.exists(started), 30)
+        mesh.detach()
+        os.kill(pids[1], signal.SIGKILL)
+        wait_for(lambda: not psutil.pid_exists(pids[1]), 10)
+        attached = Mesh.attach("died1")
+        (fut,) = attached.pending()
+        with pytest.raises(RankErrors) as caught:
+            fut.result(timeout=60)
+        assert dict(caught.value.results) == {0: 10}, caught.value
+        assert set(caught.value.errors) == {1} and isinstance(caught.value.errors[1], RankDied)
+        assert "SIGKILL" in str(caught.value.errors[1]), caught.value.errors[1]
+        assert "rank 1 died in it" in attached.pending_info(fut), attached.pending_info(fut)
+        assert attached.run(os.getpid)[0] == pids[0]  # rank 0 the same, rank 1 back
+    finally:
+        (attached or mesh).stop()
+
+
 def test_record_is_private(runtime: str) -> None:
     mesh = Mesh.start(n=1, backend="cpu", name="priv", keep_alive=60)
     try:

@@ -661,7 +661,8 @@ class Controller:
         adopted = threading.Event()
         def adopt() -> None:
             try:
-                keep.adopt()
+                deaths, self.recovery.unknown_call_deaths = self.recovery.unknown_call_deaths, {}
+                keep.adopt(dict(deaths))
                 self._ping(time.monotonic())  # ...and send what they kept now
             finally:
                 adopted.set()

@@ -188,12 +188,21 @@ class Keep:
         self._heard_all.wait(timeout)
         return self.unheard()
 
-    def adopt(self) -> None:
+    def adopt(self, deaths: dict[int, tuple[int, str, BaseException]] | None = None) -> None:
         """Each call a rank runs or kept a result of becomes this
-        controller's; the ranks are then asked to send what they kept."""
+        controller's; the ranks are then asked to send what they kept.
+        ``deaths``: rank -> (call id, its name, the error) of the ranks that
+        died in a call while no controller was attached (recovery.py): the
+        call is theirs too, and ends for them with that error."""
         by_call: dict[int, set[int]] = {}
         running: dict[int, set[int]] = {}
         labels: dict[int, str] = {}
+        died: dict[int, dict[int, BaseException]] = {}
+        for rank, (call_id, label, error) in (deaths or {}).items():
+            by_call.setdefault(call_id, set()).add(rank)
+            died.setdefault(call_id, {})[rank] = error
+            if label:
+                labels.setdefault(call_id, label)
         for rank, hello in self.hellos.items():
             what = hello.get("what")
             for key, label in (what.items() if isinstance(what, dict) else ()):
@@ -216,8 +225,17 @@ class Keep:
             busy = sorted(running.get(call_id, ()))
             self.ranks.move_many(busy, RankState.BUSY, only_from=RankState.READY)
             self.adopted.append(future)
-            where = ("running on ranks " if busy else "finished on ranks ") + ",".join(map(str, ranks))
+            lost = died.get(call_id, {})
+            alive = [r for r in ranks if r not in lost]
+            where = ("running on ranks " if busy else "finished on ranks ") + ",".join(map(str, alive))
+            if not alive:
+                where = ""
+            if lost:
+                dead = "rank" + ("s " if len(lost) > 1 else " ") + ",".join(map(str, sorted(lost)))
+                where += ("; " if where else "") + f"{dead} died in it"
             self.adopted_what[call_id] = f"{describe(labels.get(call_id, ''))}, {where}"
+            if lost:  # (last: the call may end here, every other rank done)
+                self.calls.abandon(call, set(lost), lost.__getitem__)
         self.expect.clear()
         self._unheard.clear()
         self._resend = RESEND_PINGS

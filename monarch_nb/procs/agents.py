@@ -241,9 +241,23 @@ class HostAgent:
             if next(self._sids) <= top:  # new spawns are numbered after the agent's
                 self._sids = itertools.count(top + 1)
         if child.get("code") is not None:  # it died while nobody was attached
+            self._keep_flight(handle, child.get("flight"))  # (the call it died in)
             handle.ended(int(child["code"]))
             self.processes.pop(handle.sid, None)
         return handle
+
+    @staticmethod
+    def _keep_flight(handle: RemoteRank, encoded: Any) -> None:
+        """A dead rank's flight records where the supervisor reads them when
+        it reaps the rank (as for a rank on this machine)."""
+        if not encoded or not isinstance(encoded, str):
+            return
+        try:
+            data = base64.b64decode(encoded, validate=True)
+            with open(flight.persist_path(handle.log_path), "wb", opener=config.private) as f:
+                f.write(data)
+        except (ValueError, OSError):
+            pass
 
     def detach(self) -> None:
         """Let a kept agent go: it keeps the ranks (the lease starts)."""
@@ -407,14 +421,7 @@ class HostAgent:
         elif op == "log":
             handle.write_log(msg["data"])
         elif op == "exit":
-            if msg["flight"]:
-                try:
-                    data = base64.b64decode(msg["flight"], validate=True)
-                    with open(flight.persist_path(handle.log_path), "wb",
-                              opener=config.private) as f:
-                        f.write(data)
-                except (ValueError, OSError):
-                    pass
+            self._keep_flight(handle, msg["flight"])
             handle.ended(msg["code"])
             self.processes.pop(handle.sid, None)
 

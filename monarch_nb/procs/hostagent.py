@@ -121,6 +121,9 @@ class Child:
     log_sent: int = 0  # bytes of its log already sent
     ended: bool = False
     ident: str = ""  # its socket identity prefix (a kept mesh's new controller needs it)
+    # its flight records (base64) once it ended: a kept mesh's next controller
+    # learns from them the call it died in while nobody was attached
+    flight: str = ""
 
 
 @dataclass
@@ -508,6 +511,7 @@ class Agent:
         with self._lock:
             self._send_log(child)
             child.ended = True
+            child.flight = records
         self.send("exit", sid=child.sid, code=code, flight=records)
 
     def on_attach(self) -> dict[str, Any]:
@@ -521,7 +525,8 @@ class Agent:
                 child.log_sent = 0
                 children.append({"sid": child.sid, "rank": child.rank, "inc": child.inc,
                                  "pid": child.popen.pid, "ident": child.ident,
-                                 "code": child.popen.returncode if child.ended else None})
+                                 "code": child.popen.returncode if child.ended else None,
+                                 "flight": child.flight if child.ended else ""})
         assert self.door is not None
         return {"children": children, "state": self.door.state,
                 "relay": self.relay.ident if self.relay is not None else ""}

@@ -128,6 +128,10 @@ class Recovery:
         self.started = False  # the first start is over (later READYs are respawns)
         self.stopped = False
         self.awaiting_reform: dict[int, float] = {}  # member -> when to look where it is
+        # deaths in a call this controller does not know (a kept mesh's rank
+        # that died while no controller was attached): rank -> (call id, its
+        # name, the error); the attach's adoption takes them (controller/keep.py)
+        self.unknown_call_deaths: dict[int, tuple[int, str, RankDied]] = {}
         self.reform_frames: list[Any] | None = None  # the current generation's REFORM
         self.lost: set[int] = set()  # the ranks whose new processes the last re-formation awaits
         self.requested: set[int] = set()  # restarted by the user: their return is no news
@@ -189,6 +193,8 @@ class Recovery:
         deaths = [(r, self.ranks[r].state == RankState.STARTING and not self.started)
                   for r in ranks]
         errors = {r: self._record_death(r, starting) for r, starting in deaths}
+        for r in ranks:
+            self._note_unknown_call(r, errors[r])
         if self.stopped or any(starting for _, starting in deaths):
             for r in ranks:
                 self.ranks.move(r, RankState.DEAD)  # not the policy's: nothing comes back
@@ -213,6 +219,15 @@ class Recovery:
         for r in ranks:
             self.calls.fail(r, errors[r], coming_back=self.ranks.coming_back(r))
         self.keep_spare(time.monotonic())  # a backoff started: use the wait
+
+    def _note_unknown_call(self, rank: int, error: RankDied) -> None:
+        """``rank`` died in a call the call table does not have: kept for
+        the attach that adopts the calls the ranks still run."""
+        proc = self.supervisor.procs.get(rank)
+        call = {} if proc is None else proc.flight[0]
+        call_id = call.get("call")
+        if isinstance(call_id, int) and call_id > 0 and call_id not in self.calls:
+            self.unknown_call_deaths[rank] = (call_id, str(call.get("name") or ""), error)
 
     def _record_death(self, rank: int, starting: bool) -> RankDied:
         """Note ``rank``'s death (its exit, the event with its cause) and
