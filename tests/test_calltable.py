@@ -195,6 +195,7 @@ class _Proc:
     from_spare: bool = False
     forked: bool = False
     link: Any = None  # no link: a simulated process
+    flight: tuple[dict[str, Any], list[Any]] = ({}, [])  # (no flight records)
 
 
 @dataclass
