@@ -662,7 +662,7 @@ class Controller:
         def adopt() -> None:
             try:
                 deaths, self.recovery.unknown_call_deaths = self.recovery.unknown_call_deaths, {}
-                keep.adopt(dict(deaths))
+                keep.adopt(deaths)
                 self._ping(time.monotonic())  # ...and send what they kept now
             finally:
                 adopted.set()

@@ -35,7 +35,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..futures import MeshFuture
@@ -188,7 +188,7 @@ class Keep:
         self._heard_all.wait(timeout)
         return self.unheard()
 
-    def adopt(self, deaths: dict[int, tuple[int, str, BaseException]] | None = None) -> None:
+    def adopt(self, deaths: Mapping[int, tuple[int, str, BaseException]] | None = None) -> None:
         """Each call a rank runs or kept a result of becomes this
         controller's; the ranks are then asked to send what they kept.
         ``deaths``: rank -> (call id, its name, the error) of the ranks that

@@ -167,7 +167,10 @@ class Folder:
                 meta = None
             beats.append((entry, meta))
             if meta is not None and bool(meta.get("el")) != (ident in self._in_loop):
-                self._in_loop.symmetric_difference_update((ident,))
+                if meta.get("el"):
+                    self._in_loop.add(ident)
+                else:
+                    self._in_loop.discard(ident)
                 news = True  # entered or left an elastic loop: up at once
         if news:
             self._beats_due = now

@@ -223,6 +223,8 @@ class Recovery:
     def _note_unknown_call(self, rank: int, error: RankDied) -> None:
         """``rank`` died in a call the call table does not have: kept for
         the attach that adopts the calls the ranks still run."""
+        if self.cfg.keep_alive is None:
+            return  # (only a kept mesh has calls that ran without this controller)
         proc = self.supervisor.procs.get(rank)
         call = {} if proc is None else proc.flight[0]
         call_id = call.get("call")
