@@ -156,6 +156,7 @@ def make_store(rank: int, world_size: int, addr: str, port: int, timeout_s: floa
     if abort is None:
         abort = _never
     if rank != 0:
+        _await_listening(addr, port, abort, deadline)
         while True:
             try:
                 store = dist.TCPStore(addr, port, world_size, False,
@@ -187,6 +188,35 @@ def make_store(rank: int, world_size: int, addr: str, port: int, timeout_s: floa
 
 def _never() -> bool:
     return False
+
+
+def _await_listening(addr: str, port: int, abort: Callable[[], bool], deadline: float) -> None:
+    """Wait until rank 0's store listens, in steps of a few milliseconds.
+
+    A member usually gets here first: rank 0 leaves its old group before it
+    opens the new store. torch's TCPStore client, refused, backs off 0.3 to
+    0.5 s before it tries again, which was most of a respawn's time (a forked
+    rank is ready in 0.1 s once the store is there). The probe's connection
+    is closed at once; the store drops it like any client that left. Any
+    error but a refusal (an unreachable host, a slow network) is left to
+    TCPStore, which reports it as before."""
+    import socket
+
+    pause = 0.001
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=_ATTEMPT_S).close()
+            return
+        except ConnectionRefusedError:
+            pass
+        except OSError:
+            return
+        if abort():
+            raise JoinAborted("a newer generation superseded this one")
+        if time.monotonic() > deadline:
+            return  # TCPStore's own attempt says why
+        time.sleep(pause)
+        pause = min(0.01, pause * 2)
 
 
 def _await_members(store: Any, world_size: int, abort: Callable[[], bool],

@@ -50,3 +50,29 @@ def test_a_wait_for_a_member_that_never_comes_can_be_abandoned(rank: int) -> Non
 def test_without_abort_a_missing_member_is_a_timeout() -> None:
     with pytest.raises(TimeoutError, match="1 of 2 members"):
         make_store(0, 2, "127.0.0.1", _free_port(), timeout_s=1)
+
+
+def test_a_member_early_for_the_store_joins_once_it_listens() -> None:
+    # members reach a re-formation before rank 0 (which leaves its old group
+    # first): they wait for its store in short steps (torch's client, refused,
+    # backs off up to half a second); the probe's connections leave the store
+    # working
+    port = _free_port()
+    stores: dict[int, object] = {}
+
+    def member(rank: int) -> None:
+        stores[rank] = make_store(rank, 3, "127.0.0.1", port, timeout_s=30)
+
+    early = [threading.Thread(target=member, args=(r,)) for r in (1, 2)]
+    for t in early:
+        t.start()
+    time.sleep(0.2)  # refused meanwhile: the members are probing
+    assert not stores
+    member(0)
+    for t in early:
+        t.join(30)
+    assert sorted(stores) == [0, 1, 2]
+    for _ in range(3):
+        socket.create_connection(("127.0.0.1", port)).close()  # a probe, after the fact
+    stores[1].set("k", "v")  # type: ignore[attr-defined]
+    assert stores[2].get("k") == b"v"  # type: ignore[attr-defined]
