@@ -201,24 +201,11 @@ DRIVER = """
 """
 
 
-def _pids_in(ns: str) -> list[int]:
-    res = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
-    return [int(p) for p in res.stdout.split()]
-
-
-def _lose_host(ns: str) -> None:
-    """The host goes: every process in its namespace, then its network."""
-    for pid in _pids_in(ns):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    subprocess.run(["ip", "netns", "del", ns], check=True, timeout=30)
-
-
 def run_trial(hosts: Any, fig: str, folder: str, gil_s: int = 30) -> dict[str, Any]:
     """One fresh mesh in the controller namespace (``hosts.names[0]``),
     ranks on names[1], names[2]; names[3] the spare host for lost_spare."""
+    from tests.engines import lose_host  # the tests' own: its processes, then its network
+
     driver = Path(folder, "driver.py")
     driver.write_text(textwrap.dedent(DRIVER))
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -243,7 +230,7 @@ def run_trial(hosts: Any, fig: str, folder: str, gil_s: int = 30) -> dict[str, A
                 errfile.seek(0)
                 raise RuntimeError(f"{fig}: the mesh did not start:\n{errfile.read()[-4000:]}")
             t0 = time.time()
-            _lose_host(b)
+            lose_host(b)
             proc.stdin.write(f"{t0!r}\n")
             proc.stdin.flush()
         out, _ = proc.communicate(timeout=400)
