@@ -39,10 +39,11 @@ What goes over it (kernel -> front end), JSON:
   running or stopped, ranks up, dead count, and per rank its state,
   incarnation, restarts, pid and heartbeat age. Sent on change and, while a
   mesh runs, once a second (fresh heartbeat ages), at most ``MAX_HZ`` a
-  second, from a daemon thread. A rank that died since the last summary
-  (``mesh.events``) is shown dead in the next one even when it is back
-  already, then as it is: a respawn quicker than the refresh still shows red (like dashboard.py: the kernel's main thread
-  may be blocked in a cell; iopub sends are thread-safe);
+  second, from a daemon thread (like dashboard.py: the kernel's main thread
+  may be blocked in a cell; iopub sends are thread-safe). A rank that died
+  since the last summary (``mesh.events``) is shown dead in the next one
+  even when it is back already, then as it is: a respawn quicker than the
+  refresh still shows red;
 * ``{"t": "stacks", "text": ...}``, ``{"t": "ack", "text": ...}``,
   ``{"t": "error", "text": ...}``: answers to the front end's requests.
 
@@ -168,7 +169,8 @@ class Hub:
         running = mesh.running
         rows = mesh.status()
         events = mesh.events
-        seen = self._events_seen if mesh is self._events_of else len(events)  # a new mesh: its past is no news
+        # a new mesh (a start, an attach): its past is no news
+        seen = self._events_seen if mesh is self._events_of else len(events)
         died = {e["rank"] for e in events[seen:] if e["kind"] in DEATHS}
         if running and died:
             rows = [{**r, "state": "dead"}
