@@ -526,7 +526,7 @@ class Agent:
                 children.append({"sid": child.sid, "rank": child.rank, "inc": child.inc,
                                  "pid": child.popen.pid, "ident": child.ident,
                                  "code": child.popen.returncode if child.ended else None,
-                                 "flight": child.flight if child.ended else ""})
+                                 "flight": child.flight})
         assert self.door is not None
         return {"children": children, "state": self.door.state,
                 "relay": self.relay.ident if self.relay is not None else ""}

@@ -40,10 +40,10 @@ What goes over it (kernel -> front end), JSON:
   incarnation, restarts, pid and heartbeat age. Sent on change and, while a
   mesh runs, once a second (fresh heartbeat ages), at most ``MAX_HZ`` a
   second, from a daemon thread (like dashboard.py: the kernel's main thread
-  may be blocked in a cell; iopub sends are thread-safe). A rank that died
-  since the last summary (``mesh.events``) is shown dead in the next one
-  even when it is back already, then as it is: a respawn quicker than the
-  refresh still shows red;
+  may be blocked in a cell; iopub sends are thread-safe). A rank the last
+  summary showed up that is up again in a new incarnation (it died or was
+  replaced in between) is shown dead in the next one, then as it is: a
+  respawn quicker than the refresh still shows red;
 * ``{"t": "stacks", "text": ...}``, ``{"t": "ack", "text": ...}``,
   ``{"t": "error", "text": ...}``: answers to the front end's requests.
 
@@ -71,7 +71,6 @@ MAX_HZ = 4.0
 REFRESH_S = 1.0  # while a mesh runs, resend at least this often (heartbeat ages)
 UP = ("ready", "busy")
 DOWN = ("dead", "waiting", "failed", "lost")
-DEATHS = ("died", "replaced")  # mesh.events kinds: the rank's process ended
 
 
 def summarize(rows: list[dict[str, Any]], world: int, backend: str, running: bool) -> dict[str, Any]:
@@ -111,13 +110,12 @@ class Hub:
         self.sent = 0  # summaries pushed (tests)
         self._last: Any = object()
         self._last_at = float("-inf")
-        # Deaths since the last summary sent (mesh.events read from here): a
-        # rank that died and came back between two summaries (a forked rank
-        # is back in 0.2 s, the refresh is 1/4 s) is shown dead once, then as
+        # A rank that died and came back between two summaries (a forked
+        # rank is back in 0.2 s, the refresh is 1/4 s) has a new incarnation
+        # where the last summary showed it up: it is shown dead once, then as
         # it is; otherwise the status bar would never go red for it.
-        self._events_of: Any = None  # the mesh whose events were counted
-        self._events_seen = 0
-        self._up_sent: set[int] = set()  # ranks the last summary showed up
+        self._sent_of: Any = None  # the mesh of the last summary sent
+        self._up_sent: dict[int, int] = {}  # rank -> incarnation, of those it showed up
         self._force = False
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -161,29 +159,25 @@ class Hub:
     def message(self) -> dict[str, Any]:
         return self._message()[0]
 
-    def _message(self) -> tuple[dict[str, Any], Any, int]:
-        """The summary to send, its mesh and how many of the mesh's events it covers."""
+    def _message(self) -> tuple[dict[str, Any], Any]:
+        """The summary to send and its mesh."""
         mesh = self.source()
         if mesh is None:
-            return {"t": "mesh", "mesh": None}, None, 0
+            return {"t": "mesh", "mesh": None}, None
         running = mesh.running
         rows = mesh.status()
-        events = mesh.events
-        # a new mesh (a start, an attach): its past is no news
-        seen = self._events_seen if mesh is self._events_of else len(events)
-        died = {e["rank"] for e in events[seen:] if e["kind"] in DEATHS}
-        if running and died:
+        if running and mesh is self._sent_of:  # (a new mesh's past is no news)
+            up = self._up_sent
             rows = [{**r, "state": "dead"}
-                    if r["rank"] in died and r["rank"] in self._up_sent and r["state"] in UP else r
-                    for r in rows]
-        return ({"t": "mesh", "mesh": summarize(rows, mesh.world_size, mesh.backend, running)},
-                mesh, len(events))
+                    if r["state"] in UP and r["incarnation"] > up.get(r["rank"], r["incarnation"])
+                    else r for r in rows]
+        return {"t": "mesh", "mesh": summarize(rows, mesh.world_size, mesh.backend, running)}, mesh
 
     def tick(self, now: float | None = None) -> bool:
         """Send the summary if it changed (or is due, or was asked for) and
         the throttle allows; True if sent."""
         now = time.monotonic() if now is None else now
-        msg, mesh, events_seen = self._message()
+        msg, mesh = self._message()
         coarse = _coarse(msg)
         running = bool(msg["mesh"]) and msg["mesh"]["state"] == "running"
         changed = self._force or coarse != self._last
@@ -194,8 +188,9 @@ class Hub:
             return False
         self._force = False
         self._last, self._last_at = coarse, now
-        self._events_of, self._events_seen = mesh, events_seen
-        self._up_sent = {r["rank"] for r in (msg["mesh"] or {}).get("ranks", ()) if r["state"] in UP}
+        self._sent_of = mesh
+        self._up_sent = {r["rank"]: r["incarnation"]
+                         for r in (msg["mesh"] or {}).get("ranks", ()) if r["state"] in UP}
         self._send(msg, None if changed else self.confirmed)
         self.sent += 1
         return True
