@@ -16,6 +16,7 @@ Non-goals: health probes (dashboard issue), process spawning (supervisor).
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import sys
@@ -173,7 +174,7 @@ def make_store(rank: int, world_size: int, addr: str, port: int, timeout_s: floa
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((addr, port))
+    _bind(sock, addr, port)
     sock.listen(max(16, 2 * world_size))
     # The store owns the fd from here on (it closes it when the group is
     # destroyed): detach, or Python would close it a second time later — by
@@ -188,6 +189,25 @@ def make_store(rank: int, world_size: int, addr: str, port: int, timeout_s: floa
 
 def _never() -> bool:
     return False
+
+
+def _bind(sock: Any, addr: str, port: int, patience_s: float = 2.0) -> None:
+    """Bind the store's port, trying again for a moment while it is in use.
+
+    The port is in the ephemeral range (the controller took a free one), so
+    a local connection's source port can hold it for an instant: a member's
+    probe of this very port can even connect to itself (TCP's simultaneous
+    open) before we listen. Such a holder lets go within milliseconds; a port
+    really taken stays taken and fails as before."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            sock.bind((addr, port))
+            return
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+        time.sleep(0.005)
 
 
 def _await_listening(addr: str, port: int, abort: Callable[[], bool], deadline: float) -> None:
@@ -205,8 +225,11 @@ def _await_listening(addr: str, port: int, abort: Callable[[], bool], deadline: 
     pause = 0.001
     while True:
         try:
-            socket.create_connection((addr, port), timeout=_ATTEMPT_S).close()
-            return
+            with socket.create_connection((addr, port), timeout=_ATTEMPT_S) as probe:
+                if probe.getsockname() != probe.getpeername():
+                    return
+                # connected to itself (its source port was the store's port,
+                # nobody listening yet): not the store
         except ConnectionRefusedError:
             pass
         except OSError:

@@ -76,3 +76,21 @@ def test_a_member_early_for_the_store_joins_once_it_listens() -> None:
         socket.create_connection(("127.0.0.1", port)).close()  # a probe, after the fact
     stores[1].set("k", "v")  # type: ignore[attr-defined]
     assert stores[2].get("k") == b"v"  # type: ignore[attr-defined]
+
+
+def test_the_store_port_held_for_an_instant_is_bound_once_free() -> None:
+    # a local connection's source port can hold the store's (ephemeral) port
+    # for an instant; rank 0 binds it once it is free, and a port that stays
+    # taken still fails
+    from monarch_nb.backends import _bind
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    threading.Timer(0.1, holder.close).start()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        _bind(sock, "127.0.0.1", port)
+        assert sock.getsockname()[1] == port
+        with socket.socket() as late, pytest.raises(OSError):
+            _bind(late, "127.0.0.1", port, patience_s=0.05)
