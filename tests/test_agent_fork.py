@@ -101,6 +101,30 @@ def test_remote_ranks_are_forked_by_their_agent_and_come_back_forked() -> None:
              what="the warm processes to end with their agents")
 
 
+def test_a_warm_process_slower_than_five_seconds_still_forks_every_rank(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A slow import (a loaded machine, a slow file system: here a preload that
+    # takes 7 s) is waited for: the ranks are forked from it, not started as
+    # fresh interpreters that would import torch again beside it, and the
+    # controller learns each pid when its agent starts it (nothing blocks on it).
+    (tmp_path / "monarch_nb_slow_preload.py").write_text("import time\ntime.sleep(7)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p))
+    mesh = _start(fork=True, preload=["monarch_nb_slow_preload"])
+    try:
+        hashes = mesh.run(hash, SALT)
+        assert hashes[0] == hashes[1] and hashes[2] == hashes[3], hashes
+        assert hashes[0] != hashes[2], hashes
+        pids = mesh.run(os.getpid)
+        assert {row["rank"]: row["pid"] for row in mesh.status()} == dict(pids)
+        started = [e for e in mesh.events if e["kind"] == "started"]
+        assert sorted(e["rank"] for e in started) == [0, 1, 2, 3], started
+        assert {e["rank"]: e["detail"] for e in started} == {
+            r: f"pid {pid}" for r, pid in pids.items()}, started
+    finally:
+        mesh.stop()
+
+
 def test_a_killed_agent_takes_its_warm_process_and_ranks_with_it() -> None:
     mesh = _start(fork=True)
     try:

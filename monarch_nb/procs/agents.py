@@ -49,11 +49,18 @@ from typing import IO, Any
 from .. import config, flight
 from ..errors import UsageError
 from . import agentwire, launchers
+from . import warm as warms
 from .launchers import Launcher, Placement, SlurmLauncher, SshLauncher, _local_env, rank_spec
 
 LOST_CODE = 255  # what a rank of a lost host "exited" with (ssh's own code for a lost link)
 PING_S = 0.5  # the controller's line to each agent (its controller_timeout counts these)
-STARTED_TIMEOUT_S = 30.0  # an agent that does not answer a spawn this long is lost
+ATTACH_TIMEOUT_S = 30.0  # an agent (a kept one's door) that does not answer an attach this long is lost
+# an agent answers a spawn once the process runs: at once, or once its warm
+# process imported torch (it waits for that at most warms.READY_TIMEOUT_S, then
+# starts fresh); one that has not answered after this is lost. Nothing here
+# waits for the answer: the pid and the STARTED event come with it
+# (RemoteRank.when_started), so the controller's I/O thread goes on meanwhile.
+SPAWN_ANSWER_S = warms.READY_TIMEOUT_S + 30.0
 # doors opened at once at attach (AgentLauncher.open_all): each waits mostly for
 # its host (ssh's connection, the door's interpreter there), so a host more is
 # a thread more here, not a round more: with 32, 128 hosts took four rounds of
@@ -74,7 +81,10 @@ class RemoteRank:
         self.state: str | None = None  # its process state, as the agent last saw it
         self.state_at = 0.0
         self.lost = ""  # "host X lost (why)" when it ended with its host
-        self.started = threading.Event()
+        self.started = threading.Event()  # its pid is known (or it ended before it ran)
+        self.asked = time.monotonic()  # when the agent was asked to start it
+        self._on_started: list[Callable[[], None]] = []
+        self._started_lock = threading.Lock()
         self._done = threading.Event()
         self.exit_fd, self._exit_w = os.pipe()  # readable once it ended (the I/O loop's watch)
 
@@ -101,13 +111,36 @@ class RemoteRank:
         """Its state letter if the agent reported it within ``fresh`` s."""
         return self.state if time.monotonic() - self.state_at <= fresh else None
 
+    def when_started(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once the agent said it runs (its pid), on the agent's
+        reader thread, or here if it did already. Not called for a process
+        that ended before it ran (its host lost meanwhile: ``pid`` is 0)."""
+        with self._started_lock:
+            if not self.started.is_set():
+                self._on_started.append(fn)
+                return
+        if self.pid:
+            fn()
+
+    def mark_started(self, pid: int, from_spare: bool) -> None:
+        with self._started_lock:
+            if self.started.is_set():
+                return
+            self.pid, self.from_spare = pid, from_spare
+            self.started.set()
+            waiting, self._on_started = self._on_started, []
+        for fn in waiting:
+            fn()
+
     def ended(self, code: int, lost: str = "") -> None:
         if self._done.is_set():
             return
         if self.returncode is None:  # (already set by mark for a lost host's ranks)
             self.lost, self.returncode = lost, code
         self._done.set()
-        self.started.set()
+        with self._started_lock:  # no pid will come: nothing waits for one
+            self.started.set()
+            self._on_started = []
         try:
             os.write(self._exit_w, b"x")
             os.close(self._exit_w)
@@ -180,7 +213,7 @@ class HostAgent:
         assert self.popen is not None and self.popen.stdout is not None
         if not door.local:  # a door process: its first line (a local session is the agent's)
             self.send("door", key=door.key.hex(), start=door.start)
-        deadline = time.monotonic() + STARTED_TIMEOUT_S
+        deadline = time.monotonic() + ATTACH_TIMEOUT_S
         while time.monotonic() < deadline:
             line = self.popen.stdout.readline(agentwire.MAX_LINE + 1)
             if not line:
@@ -233,8 +266,7 @@ class HostAgent:
         """A handle on a process a kept mesh's agent already runs (attach)."""
         handle = RemoteRank(self, int(child["sid"]), int(child["rank"]), int(child["inc"]),
                             log_path)
-        handle.pid = int(child["pid"])
-        handle.started.set()
+        handle.mark_started(int(child["pid"]), False)
         with self._lock:
             self.processes[handle.sid] = handle
             top = max(self.processes)
@@ -311,9 +343,7 @@ class HostAgent:
             shipped[config.ENV_SHM] = env[config.ENV_SHM]
         self.send("spawn", sid=handle.sid, rank=rank, inc=inc, env=shipped, spare=spare,
                   relay=self.relay_id, fork=fork, preload=list(preload))
-        if not handle.started.wait(STARTED_TIMEOUT_S):
-            self.lose(f"no answer to starting rank {rank} in {STARTED_TIMEOUT_S:.0f} s")
-        return handle
+        return handle  # its pid comes with the agent's "started" (check() bounds the wait)
 
     def warm(self, fork: bool, preload: tuple[str, ...], env: dict[str, str]) -> None:
         """Have the agent start its warm process now (hostagent.py)."""
@@ -322,8 +352,17 @@ class HostAgent:
                       env={k: env[k] for k in agentwire.IMPORT_ENV if k in env})
 
     def check(self, now: float) -> None:
-        if not self.lost and now - self.heard > self.host_timeout:
+        if self.lost:
+            return
+        if now - self.heard > self.host_timeout:
             self.lose(f"its agent was silent for {now - self.heard:.1f} s")
+            return
+        with self._lock:
+            unanswered = [h for h in self.processes.values()
+                          if not h.started.is_set() and now - h.asked > SPAWN_ANSWER_S]
+        if unanswered:
+            self.lose(f"no answer to starting rank {unanswered[0].rank} in "
+                      f"{SPAWN_ANSWER_S:.0f} s")
 
     def lose(self, why: str) -> None:
         """The host is gone: its ranks end with it, the session is killed."""
@@ -416,8 +455,7 @@ class HostAgent:
         if handle is None:
             return  # not one we started
         if op == "started":
-            handle.pid, handle.from_spare = msg["pid"], msg["spare"]
-            handle.started.set()
+            handle.mark_started(msg["pid"], msg["spare"])
         elif op == "log":
             handle.write_log(msg["data"])
         elif op == "exit":

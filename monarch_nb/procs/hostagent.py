@@ -13,11 +13,16 @@ its own session so that its whole process tree goes with it (``kill_tree``).
 The warm process starts when the controller says ``warm`` at the mesh's
 start (every host's imports torch side by side), or with the first
 ``spawn`` (the mesh's ``fork`` and ``preload`` come in each, with the other
-per-mesh settings), and is never waited for on the control loop: a start asked for while it imports torch
-waits in ``pending`` (a thread wakes the loop when it is ready), at most
-``WARM_WAIT_S``, then starts fresh. A warm process that fails (a preload
-that does not import, a death, a refused fork) is logged once and the agent
-starts fresh interpreters from then on, as the controller's supervisor does. It watches every
+per-mesh settings), and is never waited for on the control loop: a start
+asked for while it imports torch waits in ``pending`` (a thread wakes the
+loop when it is ready) and is answered (``started``) once it runs; nothing
+in the controller waits for that answer. A fresh interpreter started beside
+the import would only import torch a second time on the same cores, so a
+start waits as long as the import may take (``warm.READY_TIMEOUT_S``, as a
+local rank does). A warm process that fails (a preload that does not
+import, a death, a refused fork, no answer in that time) is logged once and
+the agent starts fresh interpreters from then on, as the controller's
+supervisor does. It watches every
 rank's exit (a thread waiting on it) and reports it at once with the rank's
 persisted flight records; it reports every rank's process state each tick
 (the controller tells a stopped rank from a busy one exactly as for a local
@@ -71,9 +76,6 @@ LOG_CHUNK = 1 << 20  # at most this much of a rank's log per message
 SPARE_AFTER_S = 1.0  # a spare starts this long after the last spawn (the ranks start first)
 # what a spare (and the warm process) takes from a rank's spec before it knows its rank
 SPARE_ENV = agentwire.IMPORT_ENV
-# a start asked for while the warm process imports torch waits this long for
-# it, then starts fresh (the controller waits agents.STARTED_TIMEOUT_S for it)
-WARM_WAIT_S = 5.0  # the controller waits for "started" meanwhile: well below the ranks' controller_timeout (10 s)
 
 
 @dataclass
@@ -136,7 +138,6 @@ class Pending:
     inc: int
     spec: dict[str, str]
     keep_spare: bool
-    since: float = field(default_factory=time.monotonic)
     signals: list[tuple[int, bool]] = field(default_factory=list)
 
 
@@ -432,13 +433,13 @@ class Agent:
 
     def _start_pending(self) -> None:
         """The starts that waited for the warm process: forked once it is
-        ready, fresh once it failed or after ``WARM_WAIT_S``."""
+        ready, fresh once it failed (or gave no answer in its time)."""
         warm = self.warm
         if warm is not None and warm.error and not warm.ready:
             self._warm_failed(warm.error)
         while self.pending:
             first = self.pending[0]
-            if self._warming() and time.monotonic() - first.since < WARM_WAIT_S:
+            if self._warming():
                 return
             self.pending.pop(0)
             child = self.spawn(first.sid, first.rank, first.inc, first.spec, first.keep_spare)

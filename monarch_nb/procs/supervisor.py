@@ -66,6 +66,7 @@ class RankProcess:
     reaped: bool = False
     from_spare: bool = False  # a spare process became this rank (torch already imported)
     forked: bool = False  # forked from the warm process (torch already imported)
+    announced: bool = False  # its STARTED event is recorded (a remote one's once its pid came)
     link: socket.socket | None = None  # our end of its link, until the I/O loop takes it
     sent: list[int] = field(default_factory=list)  # signals we sent it (a death's cause: deathcause.py)
     # what its persisted flight records said when it was reaped (call identity, records)
@@ -430,7 +431,6 @@ class Supervisor:
         from ..wire.transport import pidfd_open
 
         proc.pidfd = popen.exit_fd if isinstance(popen, RemoteRank) else pidfd_open(popen.pid)
-        proc.from_spare = proc.from_spare or getattr(popen, "from_spare", False)
         with self._lock:
             self.procs[rank] = proc
             self.history.append(proc)

@@ -157,12 +157,25 @@ class Recovery:
         if proc.link is not None:  # a local rank: its main channel is a link (wire/link.py)
             link, proc.link = proc.link, None
             self.io.attach_link(info.main_id, link)
+        when_started = getattr(proc.popen, "when_started", None)
+        if when_started is None:
+            self._started(rank, proc)
+        else:  # behind an agent: its pid comes when it runs (after its warm process's import)
+            when_started(lambda: self.io.call_soon(lambda: self._started(rank, proc)))
+        if proc.pidfd is not None:
+            self.io.watch_fd(proc.pidfd, lambda: self._exit_seen(rank, proc))
+
+    def _started(self, rank: int, proc: RankProcess) -> None:
+        """Record that ``proc`` runs, once (its READY may come first: on_ready)."""
+        info = self.ranks[rank]
+        if proc.announced or info.incarnation != proc.incarnation:
+            return
+        proc.announced = True
+        proc.from_spare = proc.from_spare or bool(getattr(proc.popen, "from_spare", False))
         info.pid = proc.pid
         self.ranks.record(rank, EventKind.STARTED,
                           f"pid {proc.pid}" + (", from a spare" if proc.from_spare
                                                else ", forked" if proc.forked else ""))
-        if proc.pidfd is not None:
-            self.io.watch_fd(proc.pidfd, lambda: self._exit_seen(rank, proc))
 
     def _exit_seen(self, rank: int, proc: RankProcess | None) -> None:
         self.on_exit(rank, proc)
@@ -254,6 +267,9 @@ class Recovery:
     def on_ready(self, info: RankInfo, msg: Message) -> None:
         if info.state == RankState.DYING:
             return  # we asked it to die: its exit is what counts now
+        proc = self.supervisor.procs.get(info.rank)
+        if proc is not None and proc.pid and not proc.announced:  # its agent's word is queued
+            self._started(info.rank, proc)
         self.ranks.move(info.rank, RankState.READY)
         info.device = str(meta_of(msg, Kind.READY).get("device", ""))
         info.ready_at = time.monotonic()
