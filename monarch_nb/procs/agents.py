@@ -357,9 +357,8 @@ class HostAgent:
         if now - self.heard > self.host_timeout:
             self.lose(f"its agent was silent for {now - self.heard:.1f} s")
             return
-        with self._lock:
-            unanswered = [h for h in self.processes.values()
-                          if not h.started.is_set() and now - h.asked > SPAWN_ANSWER_S]
+        unanswered = [h for h in list(self.processes.values())  # (a copy: the reader pops)
+                      if not h.started.is_set() and now - h.asked > SPAWN_ANSWER_S]
         if unanswered:
             self.lose(f"no answer to starting rank {unanswered[0].rank} in "
                       f"{SPAWN_ANSWER_S:.0f} s")
