@@ -194,6 +194,7 @@ class _Proc:
     pidfd: int | None = None
     from_spare: bool = False
     forked: bool = False
+    announced: bool = False
     link: Any = None  # no link: a simulated process
     flight: tuple[dict[str, Any], list[Any]] = ({}, [])  # (no flight records)
 

@@ -60,6 +60,28 @@ def _fd_kind(fd):
     return "log" if target.endswith(".log") else "file ." + target.rsplit(".", 1)[-1]
 
 
+def _threads():
+    # A thread just started carries its creator's name until it names itself
+    # (gloo's runloops do so first thing): read until four reads 50 ms apart agree.
+    import time as _time
+
+    last, same = None, 0
+    for _ in range(100):
+        names = []
+        for t in _os.listdir("/proc/self/task"):
+            try:
+                names.append(open(f"/proc/self/task/{t}/comm").read().strip())
+            except OSError:  # it ended meanwhile
+                pass
+        names.sort()
+        same = same + 1 if names == last else 0
+        if same >= 3:
+            break
+        last = names
+        _time.sleep(0.05)
+    return names
+
+
 def _handler(sig):
     h = _signal.getsignal(sig)
     return getattr(h, "__qualname__", None) or str(int(h) if h is not None else None)
@@ -71,8 +93,7 @@ _fds = sorted(int(x) for x in _os.listdir("/proc/self/fd"))
 snapshot = {
     "torch_threads": _torch.get_num_threads(),
     "interop": _torch.get_num_interop_threads(),
-    "threads": sorted(open(f"/proc/self/task/{t}/comm").read().strip()
-                      for t in _os.listdir("/proc/self/task")),
+    "threads": _threads(),
     "env": dict(_os.environ),
     "cwd": _os.getcwd(),
     "sys.path": list(_sys.path),
