@@ -155,6 +155,18 @@ def _other_workers_kept_agent(pid: int) -> bool:
 
 
 @pytest.fixture(autouse=True)
+def steady_network(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A browser test's chromium sees no namespace made or removed (engines.py)."""
+    if request.node.get_closest_marker("browser") is None:
+        yield
+        return
+    from .engines import steady_network as held
+
+    with held():
+        yield
+
+
+@pytest.fixture(autouse=True)
 def no_leftovers() -> Iterator[None]:
     """Each test checks for the rank processes it leaves behind: a rank this
     test started must be gone when it ends, unless it belongs to a mesh, a

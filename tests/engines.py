@@ -63,6 +63,27 @@ _NETNS_LOCK = "/run/lock/monarch-nb-tests-netns.lock"
 
 
 @contextlib.contextmanager
+def steady_network() -> Iterator[None]:
+    """Held (shared) by a test that drives chromium: no set of namespaces is
+    made or removed meanwhile (netns_hosts holds the same lock exclusively).
+    Chromium cancels its requests with ERR_NETWORK_CHANGED when an address
+    or a link of its network changes, as the bridge's and the veth pairs' in
+    the root namespace do (CI once saw JupyterLab's page load fail so while
+    the other worker ran the netns tests). Perfetto's engine page
+    (perfetto_wasm.py) goes without it: a few seconds of loading, under a
+    test timeout that a wait for a netns module would use up."""
+    try:
+        os.makedirs(os.path.dirname(_NETNS_LOCK), exist_ok=True)
+        lock = open(_NETNS_LOCK, "a")
+    except OSError:  # not root: no namespaces are made here either
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)  # released when the file closes
+        yield
+
+
+@contextlib.contextmanager
 def netns_hosts(count: int = 2) -> Iterator[Hosts]:
     if os.geteuid() != 0:
         unavailable("network namespaces need root")
