@@ -125,6 +125,42 @@ def test_a_warm_process_slower_than_five_seconds_still_forks_every_rank(
         mesh.stop()
 
 
+def test_a_dead_warm_process_is_replaced_and_a_start_waiting_for_it_can_be_killed(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    # The warm process killed under a running mesh (as the OOM killer would):
+    # the agent starts another at once rather than giving forking up; a rank
+    # killed while its start waits for that import is not started at all (its
+    # death is seen now, not after the import), and comes back forked.
+    (tmp_path / "monarch_nb_slow_preload.py").write_text("import time\ntime.sleep(7)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p))
+    mesh = _start(fork=True, preload=["monarch_nb_slow_preload"])
+    try:
+        pids = mesh.run(os.getpid)
+        agent = next(a for a in _agents().values() if pids[1] in [c.pid for c in _workers(a)])
+        (warm,) = _warms(agent)
+        warm.send_signal(signal.SIGKILL)
+        wait_for(lambda: [w.pid for w in _warms(agent)] not in ([], [warm.pid]), timeout=20,
+                 what="the agent's new warm process")
+        # a kill now takes the spare if there is one; a second finds none and waits
+        mesh.kill(1)
+        if mesh._ctl.supervisor.procs[1].popen.from_spare:
+            mesh.kill(1)
+        waiting = mesh.status()[1]["incarnation"]
+        mesh.kill(1)  # while its start waits for the import
+        assert mesh.exec(ALL_REDUCE, timeout=60) == dict.fromkeys(range(4), 4.0)
+        # that incarnation never ran (a start made after the import would say so)
+        events = [e for e in mesh.events if e["rank"] == 1 and e["incarnation"] == waiting]
+        assert [e["kind"] for e in events] == ["respawned", "died"], events
+        assert mesh.status()[1]["incarnation"] > waiting
+        again = mesh.run(os.getpid)
+        assert _parents(again)[1] == agent.pid
+        assert [w.pid for w in _warms(agent)] != [warm.pid] and len(_warms(agent)) == 1
+    finally:
+        mesh.stop()
+    assert "fresh interpreters from now on" not in capfd.readouterr().err
+
+
 def test_a_killed_agent_takes_its_warm_process_and_ranks_with_it() -> None:
     mesh = _start(fork=True)
     try:

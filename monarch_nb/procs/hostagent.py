@@ -174,6 +174,7 @@ class Agent:
     # ``preload`` as the last spawn gave them; ``fork_off``: why it stopped
     warm: warms.WarmProcess | None = None
     warm_settings: tuple[bool, tuple[str, ...]] = (False, ())
+    warm_spec: dict[str, str] = field(default_factory=dict)  # the import's env, from the last spawn
     fork_off: str = ""
     pending: list[Pending] = field(default_factory=list)
     _warms: int = 0
@@ -268,6 +269,12 @@ class Agent:
             self.door.let_go()
         elif op == "signal":
             waiting = next((p for p in self.pending if p.sid == msg["sid"]), None)
+            if waiting is not None and msg["sig"] in (signal.SIGKILL, signal.SIGTERM):
+                # a start still waiting for the warm process is not made at
+                # all: it "died" of the signal now, not once the import is done
+                self.pending.remove(waiting)
+                self.send("exit", sid=waiting.sid, code=-int(msg["sig"]), flight="")
+                return
             if waiting is not None:
                 waiting.signals.append((msg["sig"], msg["tree"]))
                 return
@@ -353,6 +360,7 @@ class Agent:
     def _keep_spare(self) -> None:
         """Start the spare once the ranks had their start (main thread):
         forked from the warm process when ranks are, else fresh."""
+        self._revive_warm()
         if self.spare is not None and self.spare.poll() is not None:
             self.spare = None  # it died (out of memory?): a new one
             self.spare_due = time.monotonic() + SPARE_AFTER_S
@@ -390,6 +398,7 @@ class Agent:
         except UsageError as exc:  # (the controller checked them: not one of ours)
             self.send("error", text=f"spawn: {exc}")
             fork, names = False, ()
+        self.warm_spec = spec
         if (fork, names) != self.warm_settings:
             self.warm_settings = (fork, names)
             self._stop_warm()
@@ -413,6 +422,15 @@ class Agent:
         self.warm = warm
         threading.Thread(target=self._watch_warm, args=(warm,), daemon=True,
                          name="monarch-nb-agent-warm").start()
+
+    def _revive_warm(self) -> None:
+        """A warm process that died after it was ready (the OOM killer, a
+        stray kill) is replaced at once, before anything forks from it: a
+        fork from a dead one would turn forking off for good."""
+        warm = self.warm
+        if warm is not None and warm.ready and warm.popen.poll() is not None:
+            fork, names = self.warm_settings
+            self._want_warm(fork, list(names), self.warm_spec)
 
     def _watch_warm(self, warm: warms.WarmProcess) -> None:
         """Wait for the warm process's import off the control loop, then
